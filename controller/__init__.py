@@ -1,0 +1,1 @@
+"""The atoll controller: worker registry, compiler, gang scheduler and dispatcher."""

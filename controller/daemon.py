@@ -1,0 +1,73 @@
+"""Running the controller daemon: the gRPC server, the rendezvous store, health checks, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from controller.service import ControllerService
+from runtime._auth import resolve_token
+from runtime._graphs import forbid_pickle
+from runtime._grpc import make_server
+from runtime._rpc import atoll_pb2_grpc as pb_grpc
+
+log = logging.getLogger("atoll.controller")
+
+
+@dataclass(kw_only=True, slots=True)
+class ControllerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind (gRPC and the data-plane rendezvous store); 0.0.0.0 to serve other hosts."""
+    port: int = 0
+    """gRPC port; 0 picks a free one (the bound address is printed)."""
+    token_file: str | None = None
+    """Cluster token file; created with a fresh token if missing. Default: ~/.atoll/token."""
+    heartbeat_interval_s: float = 1.0
+    """How often workers report in."""
+    heartbeat_timeout_s: float = 5.0
+    """Silence after which a worker is declared dead and its jobs failed."""
+    step_timeout_s: float = 600.0
+    """Deadline of one step's RPC to each worker."""
+    allow_pickle: bool = False
+    """Let torch.load unpickle arbitrary objects inside submitted programs (unsafe)."""
+
+
+class ControllerDaemon:
+    def __init__(self, config: ControllerConfig):
+        forbid_pickle(config.allow_pickle)
+        self.config = config
+        token = resolve_token(token_file=config.token_file, create=True)
+        # The store that jobs' gloo groups meet at, bound to our own address only.
+        self._store_socket = socket.create_server((config.host, 0))
+        store_port = self._store_socket.getsockname()[1]
+        self._store = dist.TCPStore(
+            config.host,
+            store_port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=self._store_socket.fileno(),
+        )
+        self.service = ControllerService(
+            token=token,
+            store_port=store_port,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            step_timeout_s=config.step_timeout_s,
+        )
+        self.server, self.port = make_server(token, config.host, config.port)
+        pb_grpc.add_ControllerServicer_to_server(self.service, self.server)
+        self.address = f"{config.host}:{self.port}"
+
+    def start(self) -> None:
+        self.server.start()
+        self.service.registry.run_health_checks()
+        log.info("controller listening on %s", self.address)
+
+    def stop(self) -> None:
+        self.server.stop(grace=1.0).wait(5.0)
+        self.service.stop()
+        self._store = None
+        self._store_socket.close()

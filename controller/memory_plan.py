@@ -1,0 +1,152 @@
+"""Predicted peak bytes per worker, before anything runs.
+
+Per stage, the bytes one microbatch stashes come from running the stage on fake tensors of the
+worker's device (see controller.program) with the executor's own accounting
+(runtime._memory.SavedTensors); per rank, the lowered action
+list is then walked with the executor's observation points (after each compute and STEP, and
+mid-backward for a recomputed forward), so prediction and measurement count the same things.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from controller.lowering import Lowered
+from controller.program import fake_inputs, fake_mode
+from controller.topology import Topology
+from runtime._actions import Kind
+from runtime._graphs import BlockGraph, StageGraph, flatten
+from runtime._memory import MemorySnapshot, SavedTensors, storage_key
+from runtime._wire import EdgeSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    parameter_bytes: int
+    stashed_bytes: int
+    """Held from a microbatch's forward to its backward (just its input under rematerialization)."""
+    recomputed_bytes: int
+    """Held only during a backward that recomputes the forward (0 without rematerialization)."""
+
+
+def measure_stage(
+    graph: StageGraph,
+    stage: int,
+    input_spec: EdgeSpec,
+    loss: BlockGraph | None,
+    target_spec: EdgeSpec | None,
+    rematerialize: bool,
+) -> StageMemory:
+    """Run one microbatch of a stage on fake tensors, counting what the executor would hold."""
+    params = [p for _, p in graph.named_parameters()]
+    with fake_mode() as mode:
+        # parameters take part as themselves or as their (memoized) fake copies: exclude both
+        exclude = {storage_key(p) for p in params} | {storage_key(mode.from_tensor(p)) for p in params}
+        inputs = fake_inputs(input_spec)
+        if stage > 0:  # received tensors live in receive buffers, counted apart
+            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+            exclude |= {storage_key(t) for t in inputs}
+        counter = SavedTensors(exclude)
+        with counter:
+            out = graph.forward(inputs)
+            outputs = flatten(out)
+            if loss is not None:
+                args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec), loss.in_spec)
+                outputs = [loss.module(*args, **kwargs)]
+        counter.add(outputs)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    if not rematerialize:
+        return StageMemory(parameter_bytes, counter.nbytes, 0)
+    kept = SavedTensors(exclude)
+    kept.add(inputs)
+    return StageMemory(parameter_bytes, kept.nbytes, counter.nbytes)
+
+
+def optimizer_state_bytes(name: str, args: dict, params: Sequence[torch.Tensor]) -> int:
+    """Bytes torch's optimizer allocates at its first step (momentum, Adam moments, step counters)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    if name == "sgd":
+        return param_bytes if args.get("momentum", 0) else 0
+    moments = 3 if args.get("amsgrad", False) else 2
+    step_counters = 4 * len(params)  # one float32 scalar tensor per parameter
+    return moments * param_bytes + step_counters
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    peak: MemorySnapshot
+    peak_stashed_microbatches: int
+
+
+def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes: int, buffer_bytes: int) -> RankMemory:
+    parameters = sum(stage_memory[s].parameter_bytes for s in stage_memory)
+    activations, stashed, peak, peak_stashed = 0, 0, MemorySnapshot(), 0
+    stages_with_grads: set[int] = set()
+
+    def observe():
+        nonlocal peak, peak_stashed
+        snap = MemorySnapshot(
+            parameters=parameters,
+            gradients=sum(stage_memory[s].parameter_bytes for s in stages_with_grads),
+            optimizer=optimizer_bytes,
+            activations=activations,
+            buffers=buffer_bytes,
+        )
+        if snap.total > peak.total:
+            peak = snap
+        peak_stashed = max(peak_stashed, stashed)
+
+    for a in actions:
+        if a.kind is Kind.FORWARD:
+            activations += stage_memory[a.stage].stashed_bytes
+            stashed += 1
+            observe()
+        elif a.kind is Kind.BACKWARD:
+            mem = stage_memory[a.stage]
+            if mem.recomputed_bytes:
+                activations += mem.recomputed_bytes
+                observe()
+                activations -= mem.recomputed_bytes
+            activations -= mem.stashed_bytes
+            stashed -= 1
+            stages_with_grads.add(a.stage)
+            observe()
+        elif a.kind is Kind.STEP:
+            observe()
+    return RankMemory(peak, peak_stashed)
+
+
+def slot_bytes(
+    lowered: Lowered, rank: int, stage_inputs: dict[int, EdgeSpec], stage_outputs: dict[int, EdgeSpec]
+) -> int:
+    total = 0
+    for stage, kind in lowered.slot_owner[rank].values():
+        total += stage_inputs[stage].nbytes if kind is Kind.RECV_F else stage_outputs[stage].grad_nbytes
+    return total
+
+
+def predict(
+    topo: Topology,
+    lowered: Lowered,
+    stage_memory: dict[int, StageMemory],
+    stage_params: dict[int, list[torch.Tensor]],
+    optimizer: str,
+    optimizer_args: dict,
+    stage_inputs: dict[int, EdgeSpec],
+    stage_outputs: dict[int, EdgeSpec],
+) -> dict[int, RankMemory]:
+    out = {}
+    for rank in range(topo.ranks):
+        stages = topo.stages_of(rank)
+        params = [p for s in stages for p in stage_params[s]]
+        out[rank] = predict_rank(
+            lowered.actions[rank],
+            {s: stage_memory[s] for s in stages},
+            optimizer_state_bytes(optimizer, optimizer_args, params),
+            slot_bytes(lowered, rank, stage_inputs, stage_outputs),
+        )
+    return out

@@ -1,0 +1,298 @@
+"""The Controller gRPC service: registry, compile + place + load, and step dispatch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+
+import grpc
+
+from controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
+from controller.dispatch import Call, Dispatcher, DispatchError
+from controller.jobs import GangScheduler, Job, JobState
+from controller.registry import Registry, WorkerRecord
+from runtime._grpc import rpc_handler
+from runtime._rpc import atoll_pb2 as pb
+from runtime._rpc import atoll_pb2_grpc as pb_grpc
+from runtime._wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
+from runtime.errors import InvalidInput, JobFailed, NotEnoughWorkers, NotFound
+
+log = logging.getLogger("atoll.controller")
+
+
+class ControllerService(pb_grpc.ControllerServicer):
+    def __init__(
+        self,
+        *,
+        token: str,
+        store_port: int,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+        rpc_timeout_s: float = 60.0,
+        load_timeout_s: float = 120.0,
+        step_timeout_s: float = 600.0,
+    ):
+        self.registry = Registry(
+            token=token,
+            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            rpc_timeout_s=rpc_timeout_s,
+            on_death=self._worker_died,
+        )
+        self.store_port = store_port
+        self.load_timeout_s = load_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.dispatcher = Dispatcher()
+        self.gang = GangScheduler()
+        self._jobs: dict[str, Job] = {}
+        self._job_ids = itertools.count()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker_died(self, record: WorkerRecord) -> None:
+        log.warning("%s is dead: %s", record.describe(), record.death)
+        for job in self._jobs_of(record):
+            job.fail(f"{record.describe()} died: {record.death}")
+
+    def _jobs_of(self, record: WorkerRecord) -> list[Job]:
+        with self._lock:
+            return [j for j in self._jobs.values() if record in j.workers]
+
+    @rpc_handler
+    def RegisterWorker(self, request, context):
+        record = self.registry.register(request)
+        log.info("registered %s", record.describe())
+        return pb.RegisterWorkerReply(
+            worker_id=record.worker_id, heartbeat_interval_s=self.registry.heartbeat_interval_s
+        )
+
+    @rpc_handler
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+
+    # ------------------------------------------------------------------ jobs
+
+    def _job(self, job_id: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"unknown job {job_id!r}")
+        return job
+
+    def _ready_job(self, job_id: str) -> Job:
+        job = self._job(job_id)
+        if job.state is JobState.FAILED:
+            raise JobFailed(f"job {job_id} has failed and must be submitted again: {job.error}")
+        if job.state is not JobState.READY:
+            raise JobFailed(f"job {job_id} is {job.state.value}")
+        return job
+
+    def _place(self, ranks: int) -> list[WorkerRecord]:
+        live = self.registry.live()
+        if len(live) < ranks:
+            names = ", ".join(w.worker_id for w in live) or "none"
+            raise NotEnoughWorkers(
+                f"the program needs {ranks} workers (one per pipeline rank) but {len(live)} are alive ({names})"
+            )
+        # least-loaded first; registration order breaks ties so placement is repeatable
+        live.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
+        return live[:ranks]
+
+    @staticmethod
+    def _decode(request: pb.PipelineProgram) -> PipelineRequest:
+        try:
+            args = json.loads(request.optimizer_args_json or "{}")
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"optimizer_args_json is not JSON: {e}") from None
+        return PipelineRequest(
+            blocks=[(b.name, b.exported_program) for b in request.blocks],
+            loss=request.loss_program,
+            ranks=request.stages,
+            microbatches=request.microbatches,
+            input=spec_from_pb(request.input),
+            target=spec_from_pb(request.target),
+            schedule=request.schedule or "gpipe",
+            virtual_stages=request.virtual_stages or 1,
+            optimizer=request.optimizer or "sgd",
+            optimizer_args=args,
+            split_points=list(request.split_points),
+            rematerialize=request.rematerialize,
+            name=request.name,
+            data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
+        )
+
+    def _load_request(self, job_id: str, compiled: CompiledPipeline, rank: int) -> pb.LoadPlanRequest:
+        topo, low = compiled.topology, compiled.lowered
+        stages = [
+            pb.StageProgram(
+                stage=s.index,
+                input=spec_to_pb(s.input),
+                output=spec_to_pb(s.output),
+                blocks=[pb.Block(name=b.name, exported_program=b.data) for b in s.blocks],
+            )
+            for s in compiled.stages
+            if s.rank == rank
+        ]
+        holds_last = topo.rank_of(topo.num_stages - 1) == rank
+        return pb.LoadPlanRequest(
+            job_id=job_id,
+            rank=rank,
+            world_size=topo.ranks,
+            store_address=f":{self.store_port}",
+            store_prefix=f"{job_id}/",
+            stages=stages,
+            loss_program=compiled.request.loss if holds_last else b"",
+            actions=[str(a) for a in low.actions[rank]],
+            stage_ranks=topo.stage_ranks,
+            microbatches=topo.microbatches,
+            optimizer=compiled.request.optimizer,
+            optimizer_args_json=json.dumps(compiled.request.optimizer_args),
+            rematerialize=compiled.request.rematerialize,
+            timeout_s=compiled.request.data_plane_timeout_s,
+            recv_slots=[pb.RecvSlot(action=str(a), slot=slot) for a, slot in low.recv_slots[rank].items()],
+            num_stages=topo.num_stages,
+        )
+
+    @rpc_handler
+    def SubmitPipeline(self, request, context):
+        compiled = compile_pipeline(self._decode(request))
+        with self._lock:  # placement and bookkeeping are one decision
+            workers = self._place(compiled.topology.ranks)
+            job_id = f"job{next(self._job_ids)}"
+            report = compiled.report({r: f"{w.worker_id} {w.address}" for r, w in enumerate(workers)})
+            job = Job(job_id=job_id, name=request.name or job_id, compiled=compiled, workers=workers, report=report)
+            self._jobs[job_id] = job
+            for w in workers:
+                w.jobs.add(job_id)
+        calls = [Call(w, "LoadPlan", self._load_request(job_id, compiled, r)) for r, w in enumerate(workers)]
+        try:
+            with self.gang.turn([w.worker_id for w in workers]):
+                self.dispatcher.all(calls, self.load_timeout_s)
+        except DispatchError as e:
+            self._release(job, f"loading failed: {e}")
+            raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
+        job.state = JobState.READY
+        log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
+        return pb.SubmitReply(job_id=job_id, plan_json=json.dumps(report))
+
+    @staticmethod
+    def _check_batch(spec: EdgeSpec, tensors) -> None:
+        got = [spec_of_pb_tensor(t) for t in tensors]
+        if tuple(got) != spec.tensors:
+            shown = ", ".join(map(str, got)) or "nothing"
+            raise InvalidInput(f"edge '{spec.name}': expected {spec}, received {shown}")
+        for t, s in zip(tensors, spec.tensors):
+            if len(t.data) != s.nbytes:
+                raise InvalidInput(f"edge '{spec.name}': {s} needs {s.nbytes} bytes, message carries {len(t.data)}")
+
+    @rpc_handler
+    def Step(self, request, context):
+        job = self._ready_job(request.job_id)
+        req = job.compiled.request
+        self._check_batch(req.input, request.inputs)
+        self._check_batch(req.target, request.targets)
+        topo = job.compiled.topology
+        first, last = topo.rank_of(0), topo.rank_of(topo.num_stages - 1)
+        calls = [
+            Call(
+                w,
+                "RunStep",
+                pb.RunStepRequest(
+                    job_id=job.job_id,
+                    step=job.steps,
+                    inputs=request.inputs if r == first else [],
+                    targets=request.targets if r == last else [],
+                ),
+            )
+            for r, w in enumerate(job.workers)
+        ]
+        with job.lock, self.gang.turn([w.worker_id for w in job.workers]):
+            job = self._ready_job(request.job_id)  # a worker may have died while we waited
+            try:
+                replies = self.dispatcher.all(calls, self.step_timeout_s)
+            except DispatchError as e:
+                if e.code == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_dead(e.worker, f"unreachable during a step: {e.error}")
+                job.fail(f"step {job.steps} failed: {e}")
+                raise JobFailed(
+                    f"job {job.job_id} step {job.steps} failed; the job must be submitted again. Cause: {e}"
+                ) from None
+            job.steps += 1
+        losses = list(replies[last].microbatch_losses)
+        memory = {str(r): json.loads(rep.memory_json or "{}") for r, rep in enumerate(replies)}
+        return pb.StepReply(
+            loss=sum(losses) / len(losses), microbatch_losses=losses, step=job.steps, memory_json=json.dumps(memory)
+        )
+
+    @rpc_handler
+    def GetState(self, request, context):
+        job = self._ready_job(request.job_id)
+        with job.lock:
+            replies = self.dispatcher.all(
+                [Call(w, "GetState", pb.JobRef(job_id=job.job_id)) for w in job.workers], 120.0
+            )
+        merged = [t for reply in replies for t in reply.tensors]
+        return pb.StateReply(tensors=merged)
+
+    @rpc_handler
+    def GetPlan(self, request, context):
+        return pb.PlanReply(plan_json=json.dumps(self._job(request.job_id).report))
+
+    def _release(self, job: Job, reason: str = "") -> None:
+        live = [w for w in job.workers if w.alive]
+        self.dispatcher.each([Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live], 10.0)
+        for w in job.workers:
+            w.jobs.discard(job.job_id)
+        if reason:
+            job.fail(reason)
+
+    @rpc_handler
+    def CloseJob(self, request, context):
+        job = self._job(request.job_id)
+        if job.state is JobState.CLOSED:
+            return pb.Empty()
+        self._release(job)
+        job.state = JobState.CLOSED
+        return pb.Empty()
+
+    @rpc_handler
+    def Status(self, request, context):
+        now = time.monotonic()
+        with self._lock:
+            jobs = list(self._jobs.values())
+        return pb.StatusReply(
+            workers=[
+                pb.WorkerInfo(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    device=w.device,
+                    host=w.host,
+                    alive=w.alive,
+                    seconds_since_heartbeat=now - w.last_heartbeat,
+                    jobs=sorted(w.jobs),
+                    pid=w.pid,
+                )
+                for w in self.registry.all()
+            ],
+            jobs=[
+                pb.JobInfo(
+                    job_id=j.job_id,
+                    name=j.name,
+                    state=j.state.value,
+                    workers=[w.worker_id for w in j.workers],
+                    steps=j.steps,
+                    schedule=j.compiled.topology.schedule,
+                    stages=j.compiled.topology.ranks,
+                    error=j.error,
+                )
+                for j in jobs
+            ],
+        )
+
+    def stop(self) -> None:
+        self.registry.stop()
+        self.dispatcher.shutdown()

@@ -1,0 +1,64 @@
+"""The one validated description of where a pipeline's stages run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.errors import InvalidInput
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Pipeline ranks x model chunks x microbatches; fails loudly when built with bad values."""
+
+    ranks: int
+    """Pipeline ranks, one worker each."""
+    virtual_stages: int = 1
+    """Model chunks per rank; stage ``s`` runs on rank ``s % ranks`` (Megatron's interleaving)."""
+    microbatches: int
+    """Microbatches per step."""
+    schedule: str = "gpipe"
+    """One of SCHEDULE_NAMES."""
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULE_NAMES:
+            raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULE_NAMES)})")
+        for name in ("ranks", "virtual_stages", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
+        if self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            raise InvalidInput(
+                f"schedule {self.schedule!r} runs one stage per rank; "
+                f"virtual_stages={self.virtual_stages} needs 'interleaved_1f1b'"
+            )
+        if self.schedule == "interleaved_1f1b":
+            if self.microbatches % self.rounds:
+                raise InvalidInput(
+                    f"interleaved_1f1b needs microbatches divisible by the number of rounds "
+                    f"({self.rounds} = max(1, microbatches // ranks)), got {self.microbatches}"
+                )
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.virtual_stages
+
+    @property
+    def rounds(self) -> int:
+        return max(1, self.microbatches // self.ranks)
+
+    @property
+    def microbatches_per_round(self) -> int:
+        return self.microbatches // self.rounds
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + chunk * self.ranks for chunk in range(self.virtual_stages)]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        return [self.rank_of(s) for s in range(self.num_stages)]

@@ -1,0 +1,40 @@
+"""atoll: a Pathways-style asynchronous MPMD dataflow runtime for PyTorch.
+
+import runtime
+with runtime.LocalCluster(workers=4) as cluster, cluster.client() as client:
+    job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss,
+                          stages=4, microbatches=8, schedule="1f1b")
+    loss = job.step(x, y)
+"""
+
+from runtime.client import Client, Job, StepResult, connect
+from runtime.errors import (
+    AtollError,
+    DeadlineExceeded,
+    InvalidInput,
+    JobFailed,
+    NotEnoughWorkers,
+    NotFound,
+    Unauthenticated,
+    WorkerUnavailable,
+)
+from runtime.local import LocalCluster
+from runtime.plan import ClusterStatus, Plan
+
+__all__ = [
+    "AtollError",
+    "Client",
+    "ClusterStatus",
+    "DeadlineExceeded",
+    "InvalidInput",
+    "Job",
+    "JobFailed",
+    "LocalCluster",
+    "NotEnoughWorkers",
+    "NotFound",
+    "Plan",
+    "StepResult",
+    "Unauthenticated",
+    "WorkerUnavailable",
+    "connect",
+]

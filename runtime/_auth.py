@@ -1,0 +1,83 @@
+"""The cluster token: where it lives, and the server-side check that runs before any request
+is deserialized.
+
+Every daemon rejects a call whose ``authorization`` metadata does not carry the token. The check
+sits in a server interceptor, which sees the method name and metadata only; a rejected call is
+answered by a handler with no request deserializer, so its payload is never parsed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+import grpc
+
+from runtime.errors import InvalidInput
+
+TOKEN_ENV = "ATOLL_TOKEN"
+TOKEN_FILE_ENV = "ATOLL_TOKEN_FILE"
+METADATA_KEY = "authorization"
+
+
+def default_token_file() -> Path:
+    return Path(os.environ.get(TOKEN_FILE_ENV) or Path.home() / ".atoll" / "token")
+
+
+def create_token_file(path: Path) -> str:
+    """Write a fresh random token readable by the owner only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def resolve_token(
+    token: str | None = None, token_file: str | os.PathLike | None = None, *, create: bool = False
+) -> str:
+    """The token given, else the one in ``token_file``, $ATOLL_TOKEN, or the default file.
+
+    With ``create`` (the controller), a missing token file is created with a fresh token.
+    """
+    if token:
+        return token
+    if token_file is None and os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = Path(token_file) if token_file is not None else default_token_file()
+    if path.exists():
+        text = path.read_text().strip()
+        if not text:
+            raise InvalidInput(f"token file {path} is empty")
+        return text
+    if create:
+        return create_token_file(path)
+    raise InvalidInput(
+        f"no cluster token: {path} does not exist (start the controller first, or pass --token-file / token=...)"
+    )
+
+
+def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((METADATA_KEY, f"Bearer {token}"),)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+        self._reject = grpc.unary_unary_rpc_method_handler(self._deny)
+
+    @staticmethod
+    def _deny(_raw_request: bytes, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+    def intercept_service(self, continuation, handler_call_details):
+        presented = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == METADATA_KEY:
+                presented = value
+        if hmac.compare_digest(presented.encode(), self._expected):
+            return continuation(handler_call_details)
+        return self._reject

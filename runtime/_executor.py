@@ -1,0 +1,334 @@
+"""The action interpreter: runs one worker's lowered action list for a training step.
+
+Workers interpret, they do not decide: the order of every receive, compute and send comes from
+the compiled plan. The interpreter only checks that the list is being obeyed (no compute before
+its receive, no receive twice, no send of something not computed) and names the failing
+action's position in the rank x time grid when anything goes wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+
+from runtime._actions import Action, Kind
+from runtime._graphs import BlockGraph, StageGraph, flatten
+from runtime._memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
+from runtime._optim import build_optimizer
+from runtime._transport import DataPlaneError, Handle, Transport
+from runtime._wire import EdgeSpec
+
+FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
+MAX_TENSORS_PER_EDGE = 64
+
+
+def edge_tag(edge: int, microbatch: int, microbatches: int, direction: int, index: int) -> int:
+    """Unique data-plane tag of one tensor crossing edge ``edge`` (stage edge -> edge+1)."""
+    return ((edge * microbatches + microbatch) * 2 + direction) * MAX_TENSORS_PER_EDGE + index
+
+
+class ActionFailed(RuntimeError):
+    """An action of the list failed; the message names rank, position and action."""
+
+
+@dataclass(slots=True)
+class _Stash:
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]  # flat stage outputs, or [loss] on the last stage
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _StepState:
+    input_mbs: list[list[torch.Tensor]] | None
+    target_mbs: list[list[torch.Tensor]] | None
+    pending_recvs: dict[Action, tuple[list[torch.Tensor], list[Handle]]] = field(default_factory=dict)
+    stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    sends: list[Handle] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    activation_bytes: int = 0
+    meter: PeakMeter = field(default_factory=PeakMeter)
+
+
+@dataclass(kw_only=True, slots=True)
+class StageSetup:
+    """What a worker knows about one stage it runs."""
+
+    index: int
+    graph: StageGraph
+    input: EdgeSpec
+    output: EdgeSpec
+
+
+class PipelineExecutor:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        stages: list[StageSetup],
+        loss: BlockGraph | None,
+        num_stages: int,
+        stage_ranks: list[int],
+        microbatches: int,
+        actions: list[Action],
+        recv_slots: dict[Action, int],
+        optimizer: str,
+        optimizer_args: dict,
+        rematerialize: bool,
+        transport: Transport | None,
+        timeout_s: float,
+        device: torch.device,
+    ):
+        self.rank = rank
+        self.stages = {s.index: s for s in stages}
+        self.loss = loss
+        self.num_stages = num_stages
+        self.stage_ranks = stage_ranks
+        self.microbatches = microbatches
+        self.actions = actions
+        self.rematerialize = rematerialize
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.device = device
+        self.last_stage = num_stages - 1
+        self._lock = threading.Lock()
+        self.params = [p for s in stages for _, p in s.graph.named_parameters()]
+        # a stage without parameters (an activation, a reshape) has nothing to optimize
+        self.optimizer = build_optimizer(optimizer, self.params, optimizer_args) if self.params else None
+        self.recv_slots = recv_slots
+        self.slots = self._allocate_slots(recv_slots)
+        self._param_keys = {storage_key(p) for p in self.params}
+        self._slot_keys = {storage_key(t) for bufs in self.slots.values() for t in bufs}
+        self.parameter_bytes = storage_bytes(self.params)
+        self.buffer_bytes = sum(t.nbytes for bufs in self.slots.values() for t in bufs)
+        self.optimizer_bytes = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ load time
+
+    def _allocate_slots(self, recv_slots: dict[Action, int]) -> dict[int, list[torch.Tensor]]:
+        """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
+        slots: dict[int, list[torch.Tensor]] = {}
+        for action, slot in recv_slots.items():
+            specs = self._recv_specs(action)
+            if slot in slots:
+                if [tuple(t.shape) for t in slots[slot]] != [s.shape for s in specs]:
+                    raise ValueError(f"plan reuses receive slot {slot} for {action} with another shape")
+                continue
+            slots[slot] = [s.empty(self.device) for s in specs]
+        return slots
+
+    def _recv_specs(self, action: Action):
+        stage = self.stages[action.stage]
+        if action.kind is Kind.RECV_F:
+            return list(stage.input.tensors)
+        return [stage.output.tensors[i] for i in stage.output.differentiable]
+
+    # ------------------------------------------------------------------ one step
+
+    def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None):
+        """Run the action list once; returns (per-microbatch losses, measured memory)."""
+        with self._lock:
+            state = _StepState(self._split(inputs), self._split(targets))
+            position, action = -1, None
+            try:
+                for position, action in enumerate(self.actions):  # noqa: B007 (read on failure)
+                    self._run(action, state)
+                    if action.is_compute or action.kind is Kind.STEP:
+                        self._observe(state)
+                for handle in state.sends:
+                    handle.wait(self.timeout_s)
+            except Exception as e:
+                where = f"rank {self.rank}, action #{position} '{action}'" if action else f"rank {self.rank}"
+                kind = "data plane" if isinstance(e, DataPlaneError) else type(e).__name__
+                raise ActionFailed(f"{where} failed ({kind}): {e}") from e
+            finally:
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                state.stash.clear()
+                state.pending_recvs.clear()
+            self.steps += 1
+            losses = [state.losses[m] for m in sorted(state.losses)]
+            return losses, {
+                "peak": state.meter.peak.as_dict(),
+                "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
+            }
+
+    def _split(self, tensors: list[torch.Tensor] | None) -> list[list[torch.Tensor]] | None:
+        if tensors is None:
+            return None
+        chunks = [torch.tensor_split(t.to(self.device), self.microbatches, dim=0) for t in tensors]
+        # copies: a microbatch view would keep the whole batch's storage alive until its backward
+        return [[c[m].clone() for c in chunks] for m in range(self.microbatches)]
+
+    def _observe(self, state: _StepState) -> None:
+        snap = MemorySnapshot(
+            parameters=self.parameter_bytes,
+            gradients=storage_bytes(p.grad for p in self.params),
+            optimizer=self.optimizer_bytes,
+            activations=state.activation_bytes,
+            buffers=self.buffer_bytes,
+        )
+        state.meter.observe(snap, len(state.stash))
+
+    def _run(self, action: Action, state: _StepState) -> None:
+        kind = action.kind
+        if kind is Kind.RECV_F or kind is Kind.RECV_B:
+            self._post_recv(action, state)
+        elif kind is Kind.FORWARD:
+            self._forward(action, state)
+        elif kind is Kind.SEND_F:
+            self._send_forward(action, state)
+        elif kind is Kind.BACKWARD:
+            self._backward(action, state)
+        elif kind is Kind.SEND_B:
+            self._send_backward(action, state)
+        elif kind is Kind.STEP:
+            self._optimizer_step(state)
+        else:  # pragma: no cover - Kind is closed
+            raise ValueError(f"unknown action kind {kind}")
+
+    # ------------------------------------------------------------------ communication
+
+    def _post_recv(self, action: Action, state: _StepState) -> None:
+        if action in state.pending_recvs:
+            raise RuntimeError(f"{action} posted twice in one step")
+        buffers = self.slots[self.recv_slots[action]]
+        s, m = action.stage, action.microbatch
+        if action.kind is Kind.RECV_F:
+            peer, edge, direction, indices = self.stage_ranks[s - 1], s - 1, FORWARD_DIRECTION, range(len(buffers))
+        else:
+            peer, edge, direction = self.stage_ranks[s + 1], s, BACKWARD_DIRECTION
+            indices = self.stages[s].output.differentiable
+        handles = [
+            self.transport.recv(buf, peer, edge_tag(edge, m, self.microbatches, direction, i))
+            for buf, i in zip(buffers, indices)
+        ]
+        state.pending_recvs[action] = (buffers, handles)
+
+    def _take_recv(self, action: Action, state: _StepState) -> list[torch.Tensor]:
+        try:
+            buffers, handles = state.pending_recvs.pop(action)
+        except KeyError:
+            raise RuntimeError(f"compute needs {action}, which was not posted before it") from None
+        for handle in handles:
+            handle.wait(self.timeout_s)
+        return buffers
+
+    def _send_forward(self, action: Action, state: _StepState) -> None:
+        s, m = action.stage, action.microbatch
+        stash = state.stash.get((s, m))
+        if stash is None:
+            raise RuntimeError(f"{action} before {s}F{m}")
+        peer = self.stage_ranks[s + 1]
+        for i, out in enumerate(stash.outputs):
+            tag = edge_tag(s, m, self.microbatches, FORWARD_DIRECTION, i)
+            state.sends.append(self.transport.send(out.detach().contiguous(), peer, tag))
+
+    def _send_backward(self, action: Action, state: _StepState) -> None:
+        s, m = action.stage, action.microbatch
+        grads = state.input_grads.pop((s, m), None)
+        if grads is None:
+            raise RuntimeError(f"{action} before {s}B{m}")
+        peer = self.stage_ranks[s - 1]
+        for i, grad in zip(self.stages[s].input.differentiable, grads):
+            tag = edge_tag(s - 1, m, self.microbatches, BACKWARD_DIRECTION, i)
+            state.sends.append(self.transport.send(grad.contiguous(), peer, tag))
+
+    # ------------------------------------------------------------------ compute
+
+    def _stage_inputs(self, action: Action, state: _StepState) -> list[torch.Tensor]:
+        s, m = action.stage, action.microbatch
+        if s == 0:
+            return list(state.input_mbs[m])
+        received = self._take_recv(Action(s, Kind.RECV_F, m), state)
+        return [buf.detach().requires_grad_() if buf.is_floating_point() else buf for buf in received]
+
+    def _run_stage(self, s: int, m: int, inputs: list[torch.Tensor], state: _StepState) -> list[torch.Tensor]:
+        out = self.stages[s].graph.forward(inputs)
+        if s != self.last_stage:
+            return flatten(out)
+        leaves = flatten(out) + list(state.target_mbs[m])
+        args, kwargs = pytree.tree_unflatten(leaves, self.loss.in_spec)
+        return [self.loss.module(*args, **kwargs)]
+
+    def _forward(self, action: Action, state: _StepState) -> None:
+        s, m = action.stage, action.microbatch
+        if (s, m) in state.stash:
+            raise RuntimeError(f"{action} computed twice")
+        inputs = self._stage_inputs(action, state)
+        counter = SavedTensors(self._param_keys | self._slot_keys)
+        if self.rematerialize:
+            # keep only the inputs; backward recomputes the forward (GPipe re-materialization)
+            with torch.no_grad():
+                outputs = self._run_stage(s, m, inputs, state)
+            counter.add(inputs)
+        else:
+            with counter:
+                outputs = self._run_stage(s, m, inputs, state)
+            counter.add(outputs)
+        if s == self.last_stage:
+            state.losses[m] = float(outputs[0].detach())
+        else:
+            self.stages[s].output.check(outputs)
+        state.stash[(s, m)] = _Stash(inputs, outputs, counter.nbytes)
+        state.activation_bytes += counter.nbytes
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        s, m = action.stage, action.microbatch
+        stash = state.stash.pop((s, m), None)
+        if stash is None:
+            raise RuntimeError(f"{action} before {s}F{m}")
+        outputs, recomputed = stash.outputs, 0
+        if self.rematerialize:
+            counter = SavedTensors(self._param_keys | self._slot_keys)
+            with counter:
+                outputs = self._run_stage(s, m, stash.inputs, state)
+            # the recomputed activations live only while this backward runs: observe them now
+            recomputed = counter.nbytes
+            state.activation_bytes += recomputed
+            self._observe(state)
+        if s == self.last_stage:
+            torch.autograd.backward(outputs[0] / self.microbatches)
+        else:
+            grads = self._take_recv(Action(s, Kind.RECV_B, m), state)
+            pairs = [
+                (outputs[i], g) for i, g in zip(self.stages[s].output.differentiable, grads) if outputs[i].requires_grad
+            ]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        state.activation_bytes -= stash.nbytes + recomputed
+        if s > 0:
+            state.input_grads[(s, m)] = [
+                stash.inputs[i].grad if stash.inputs[i].grad is not None else torch.zeros_like(stash.inputs[i])
+                for i in self.stages[s].input.differentiable
+            ]
+
+    def _optimizer_step(self, state: _StepState) -> None:
+        for handle in state.sends:
+            handle.wait(self.timeout_s)
+        state.sends.clear()
+        if self.optimizer is None:
+            return
+        self.optimizer.step()
+        self.optimizer_bytes = storage_bytes(
+            t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages.values():
+            out.update(stage.graph.state_dict())
+        return out
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.stages.clear()
+        self.slots.clear()

@@ -1,0 +1,82 @@
+"""gRPC plumbing shared by both daemons and the client: servers with the token check, calls with
+deadlines, and one mapping between atoll errors and status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import traceback
+from concurrent import futures
+
+import grpc
+
+from runtime import errors
+from runtime._auth import TokenInterceptor, call_metadata
+
+log = logging.getLogger("atoll")
+
+# Programs carry serialized graphs with their weights; state_dict replies carry all weights.
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def make_server(token: str, host: str, port: int, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """A started-later server bound to host:port (port 0 picks a free one); returns the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[TokenInterceptor(token)],
+        options=CHANNEL_OPTIONS,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise errors.WorkerUnavailable(f"could not bind {host}:{port}")
+    return server, bound
+
+
+def rpc_handler(method):
+    """Turn exceptions raised by a servicer method into gRPC status codes with clear messages."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        try:
+            return method(self, request, context)
+        except errors.AtollError as e:
+            context.abort(e.code, str(e))
+        except Exception as e:  # a bug or an unexpected torch error: report it, keep serving
+            log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapped
+
+
+class Endpoint:
+    """A connection to one daemon: every call carries the token and a deadline."""
+
+    def __init__(self, address: str, token: str, stub_class, default_timeout_s: float = 60.0):
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = stub_class(self._channel)
+        self._metadata = call_metadata(token)
+        self.default_timeout_s = default_timeout_s
+
+    def call(self, method: str, request, timeout_s: float | None = None):
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {self.address}") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def as_atoll_error(e: grpc.RpcError, what: str) -> errors.AtollError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.WorkerUnavailable(f"{what}: daemon unreachable ({details})")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded(f"{what}: no answer before the deadline")
+    return errors.from_status(code, details)

@@ -1,0 +1,99 @@
+"""Byte accounting of what a worker holds, by category.
+
+The same counter runs on real tensors (the worker's measurement) and on meta tensors (the
+compiler's prediction), so the two differ only where real execution differs from the plan.
+Stashed activations are the storages autograd saves for backward, found with saved-tensor
+hooks; parameters and receive buffers are excluded there and counted in their own category.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the memory behind ``t``. Views resolve to their base first: a fake tensor's
+    view (say, ``weight.t()`` saved by a linear layer) does not share its base's storage object."""
+    while t._base is not None:
+        t = t._base
+    return t.untyped_storage()._cdata
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class SavedTensors:
+    """Context manager: records the storages autograd saves while it is active."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.exclude:
+            self.storages[key] = t.untyped_storage().nbytes()
+        # detach: holding ``t`` itself would tie saved outputs to their grad_fn in a cycle
+        return t.detach()
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors the executor holds on to for backward (stage outputs, inputs)."""
+        for t in tensors:
+            key = storage_key(t)
+            if key not in self.exclude:
+                self.storages[key] = t.untyped_storage().nbytes()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@dataclass(slots=True)
+class MemorySnapshot:
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+class PeakMeter:
+    """Tracks the peak total over a step, keeping the breakdown at the peak."""
+
+    def __init__(self):
+        self.peak = MemorySnapshot()
+        self.peak_stashed_microbatches = 0
+
+    def observe(self, snap: MemorySnapshot, stashed_microbatches: int) -> None:
+        if snap.total > self.peak.total:
+            self.peak = snap
+        self.peak_stashed_microbatches = max(self.peak_stashed_microbatches, stashed_microbatches)

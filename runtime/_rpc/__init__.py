@@ -1,0 +1,1 @@
+"""Generated control-plane modules (python proto/generate.py); do not edit by hand."""

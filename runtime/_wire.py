@@ -1,0 +1,139 @@
+"""Conversions between torch tensors/specs and their protobuf messages, with strict validation.
+
+Tensors travel as raw bytes plus dtype and shape: nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime._rpc import atoll_pb2 as pb
+from runtime.errors import InvalidInput
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise InvalidInput(f"dtype {dtype} is not supported on atoll edges (supported: {sorted(DTYPES)})")
+    return name
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidInput(f"unknown dtype {name!r} (supported: {sorted(DTYPES)})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of an edge, fixed at compile time."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @property
+    def is_floating(self) -> bool:
+        return self.torch_dtype.is_floating_point
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.torch_dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.torch_dtype, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSpec:
+    """The tensors that cross one edge of the program (several for a tuple edge)."""
+
+    name: str
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def differentiable(self) -> tuple[int, ...]:
+        """Indices of the tensors that carry a gradient back across the edge."""
+        return tuple(i for i, t in enumerate(self.tensors) if t.is_floating)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def grad_nbytes(self) -> int:
+        return sum(self.tensors[i].nbytes for i in self.differentiable)
+
+    def __str__(self) -> str:
+        inner = ", ".join(map(str, self.tensors))
+        return inner if len(self.tensors) == 1 else f"({inner})"
+
+    def check(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise InvalidInput naming this edge when ``tensors`` do not match it."""
+        got = tuple(TensorSpec.of(t) for t in tensors)
+        if got != self.tensors:
+            shown = ", ".join(map(str, got)) or "nothing"
+            raise InvalidInput(f"edge '{self.name}': expected {self}, received {shown}")
+
+
+def spec_to_pb(spec: EdgeSpec) -> pb.EdgeSpec:
+    return pb.EdgeSpec(name=spec.name, tensors=[pb.TensorSpec(dtype=t.dtype, shape=t.shape) for t in spec.tensors])
+
+
+def spec_from_pb(msg: pb.EdgeSpec) -> EdgeSpec:
+    tensors = []
+    for t in msg.tensors:
+        parse_dtype(t.dtype)
+        if any(d < 0 for d in t.shape):
+            raise InvalidInput(f"edge '{msg.name}': negative dimension in shape {list(t.shape)}")
+        tensors.append(TensorSpec(tuple(t.shape), t.dtype))
+    return EdgeSpec(msg.name, tuple(tensors))
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.TensorData:
+    t = t.detach().to("cpu").contiguous()
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return pb.TensorData(dtype=dtype_name(t.dtype), shape=list(t.shape), data=data)
+
+
+def tensor_from_pb(msg: pb.TensorData, what: str = "tensor") -> torch.Tensor:
+    dtype = parse_dtype(msg.dtype)
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{what}: negative dimension in shape {list(shape)}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(msg.data) != numel * dtype.itemsize:
+        raise InvalidInput(
+            f"{what}: {msg.dtype}{list(shape)} needs {numel * dtype.itemsize} bytes, message carries {len(msg.data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def spec_of_pb_tensor(msg: pb.TensorData) -> TensorSpec:
+    return TensorSpec(tuple(msg.shape), msg.dtype)

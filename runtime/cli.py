@@ -1,0 +1,169 @@
+"""The ``atoll`` command: start daemons, inspect a cluster, print a plan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def _watch_parent(pid: int, stop: threading.Event) -> None:
+    """Exit when the process that started us is gone, so no daemon outlives its test or cluster."""
+
+    def loop():
+        while not stop.wait(0.5):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                stop.set()
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int | None, banner: str) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        _watch_parent(exit_with_parent, stop)
+    daemon.start()
+    print(banner, flush=True)
+    if ready_file:
+        tmp = f"{ready_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(daemon.address)
+        os.replace(tmp, ready_file)
+    stop.wait()
+    daemon.stop()
+
+
+def _controller(args) -> None:
+    from controller.daemon import ControllerConfig, ControllerDaemon
+
+    daemon = ControllerDaemon(
+        ControllerConfig(
+            host=args.host,
+            port=args.port,
+            token_file=args.token_file,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            step_timeout_s=args.step_timeout,
+            allow_pickle=args.allow_pickle,
+        )
+    )
+    _serve_until_stopped(
+        daemon, args.ready_file, args.exit_with_parent, f"atoll controller listening on {daemon.address}"
+    )
+
+
+def _worker(args) -> None:
+    import torch
+
+    from runtime._auth import resolve_token
+    from runtime._graphs import forbid_pickle
+    from runtime.worker import WorkerDaemon
+
+    forbid_pickle(args.allow_pickle)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    daemon = WorkerDaemon(
+        controller=args.controller,
+        token=resolve_token(token_file=args.token_file),
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+    )
+    _serve_until_stopped(
+        daemon, args.ready_file, args.exit_with_parent, f"atoll worker ({args.device}) listening on {daemon.address}"
+    )
+
+
+def _status(args) -> None:
+    from runtime.client import connect
+
+    client = connect(args.controller, token_file=args.token_file)
+    print(client.status().render())
+    client.close()
+
+
+def _plan(args) -> None:
+    from runtime._plan_cli import print_plan
+
+    print_plan(args)
+
+
+def _add_common(p, with_daemon: bool = True) -> None:
+    p.add_argument(
+        "--token-file", default=None, help="cluster token file (default: $ATOLL_TOKEN_FILE or ~/.atoll/token)"
+    )
+    if with_daemon:
+        p.add_argument("--ready-file", default=None, help="write the bound address here once serving")
+        p.add_argument(
+            "--exit-with-parent", type=int, default=None, metavar="PID", help="exit when process PID is gone"
+        )
+        p.add_argument(
+            "--allow-pickle", action="store_true", help="UNSAFE: let programs carry arbitrary pickled objects"
+        )
+        p.add_argument("--log-level", default="WARNING")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="atoll", description="atoll: asynchronous MPMD dataflow runtime for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("controller", help="run the controller daemon")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
+    p.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step on a worker (s)")
+    _add_common(p)
+    p.set_defaults(run=_controller)
+
+    p = sub.add_parser("worker", help="run a worker daemon owning one device")
+    p.add_argument("--controller", required=True, metavar="HOST:PORT")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and data plane)")
+    p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker (default: --host)")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    _add_common(p)
+    p.set_defaults(run=_worker)
+
+    p = sub.add_parser("status", help="list the workers and jobs of a cluster")
+    p.add_argument(
+        "--controller",
+        default=os.environ.get("ATOLL_CONTROLLER"),
+        required="ATOLL_CONTROLLER" not in os.environ,
+        metavar="HOST:PORT",
+        help="controller address (default: $ATOLL_CONTROLLER)",
+    )
+    _add_common(p, with_daemon=False)
+    p.set_defaults(run=_status)
+
+    p = sub.add_parser("plan", help="compile a model file and print its plan, without a cluster")
+    p.add_argument("model_file", help="a Python file defining build() -> dict of pipeline() arguments")
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--microbatches", type=int, default=None)
+    p.add_argument("--schedule", default=None)
+    p.add_argument("--virtual-stages", type=int, default=None)
+    p.add_argument("--rematerialize", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_plan)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "WARNING").upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The client API: connect to a controller, submit a pipeline, train it step by step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime._auth import resolve_token
+from runtime._grpc import Endpoint
+from runtime._rpc import atoll_pb2 as pb
+from runtime._rpc import atoll_pb2_grpc as pb_grpc
+from runtime._trace import as_leaves, trace_pipeline
+from runtime._wire import spec_to_pb, tensor_from_pb, tensor_to_pb
+from runtime.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss: float
+    """Mean of the per-microbatch losses."""
+    microbatch_losses: tuple[float, ...]
+    step: int
+    """Steps completed by the job so far, this one included."""
+    memory: dict[int, dict]
+    """Per rank, the worker's measured accounting: peak bytes by category and peak stashed microbatches."""
+
+
+class Job:
+    """A pipeline loaded on the cluster: its plan, and its weights and optimizer state on the workers."""
+
+    def __init__(self, client: Client, job_id: str, plan: Plan):
+        self._client = client
+        self.id = job_id
+        self.plan = plan
+        self.last: StepResult | None = None
+
+    def step(self, input, target) -> float:
+        """One training step on a full batch; returns the mean microbatch loss."""
+        reply = self._client._call(
+            "Step",
+            pb.StepRequest(
+                job_id=self.id,
+                inputs=[tensor_to_pb(t) for t in as_leaves(input, "input")],
+                targets=[tensor_to_pb(t) for t in as_leaves(target, "target")],
+            ),
+            timeout_s=self._client.step_timeout_s,
+        )
+        memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
+        self.last = StepResult(reply.loss, tuple(reply.microbatch_losses), reply.step, memory)
+        return reply.loss
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The current weights, with the same keys as the submitted model's ``state_dict()``."""
+        reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
+        return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
+
+    def close(self) -> None:
+        """Free the job on every worker (idempotent)."""
+        self._client._call("CloseJob", pb.JobRef(job_id=self.id))
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Client:
+    def __init__(self, address: str, token: str, *, timeout_s: float = 120.0, step_timeout_s: float = 900.0):
+        self.address = address
+        self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s)
+        self.step_timeout_s = step_timeout_s
+
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        return self._endpoint.call(method, request, timeout_s)
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        *,
+        example_input,
+        example_target,
+        loss_fn,
+        stages: int,
+        microbatches: int,
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+        optimizer: str = "sgd",
+        optimizer_args: dict | None = None,
+        split_points: list[int] | None = None,
+        rematerialize: bool = False,
+        data_plane_timeout_s: float = 60.0,
+        name: str = "",
+    ) -> Job:
+        """Compile ``model`` into a pipeline over ``stages`` workers and load it.
+
+        ``model`` is an ``nn.Sequential`` (or a module whose top-level children run in order);
+        its children are exported at the microbatch shape and grouped into stages by cost (or
+        at ``split_points``). ``example_input``/``example_target`` are one full batch of the
+        shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b" or
+        "interleaved_1f1b" (with ``virtual_stages`` model chunks per worker).
+        """
+        traced = trace_pipeline(model, example_input, example_target, loss_fn, microbatches)
+        program = pb.PipelineProgram(
+            blocks=[pb.Block(name=n, exported_program=d) for n, d in traced.blocks],
+            loss_program=traced.loss,
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            optimizer=optimizer,
+            optimizer_args_json=json.dumps(optimizer_args or {}),
+            split_points=split_points or [],
+            rematerialize=rematerialize,
+            input=spec_to_pb(traced.input),
+            target=spec_to_pb(traced.target),
+            name=name or type(model).__name__,
+            data_plane_timeout_s=data_plane_timeout_s,
+        )
+        reply = self._call("SubmitPipeline", program, timeout_s=600.0)
+        return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
+
+    def job(self, job_id: str) -> Job:
+        """Attach to a job that is already loaded (raises NotFound for an unknown id)."""
+        reply = self._call("GetPlan", pb.JobRef(job_id=job_id))
+        return Job(self, job_id, Plan(json.loads(reply.plan_json)))
+
+    def status(self) -> ClusterStatus:
+        reply = self._call("Status", pb.Empty())
+        return ClusterStatus(
+            workers=tuple(
+                WorkerStatus(
+                    w.worker_id, w.address, w.device, w.host, w.alive, w.seconds_since_heartbeat, tuple(w.jobs), w.pid
+                )
+                for w in reply.workers
+            ),
+            jobs=tuple(
+                JobStatus(j.job_id, j.name, j.state, tuple(j.workers), j.steps, j.schedule, j.stages, j.error)
+                for j in reply.jobs
+            ),
+        )
+
+    def close(self) -> None:
+        self._endpoint.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(
+    address: str, token: str | None = None, *, token_file: str | None = None, timeout_s: float = 120.0
+) -> Client:
+    """A client of the controller at ``address``; the token defaults to $ATOLL_TOKEN or the token file."""
+    return Client(address, resolve_token(token, token_file), timeout_s=timeout_s)

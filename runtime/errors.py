@@ -1,0 +1,71 @@
+"""Exceptions the client raises; each maps to one gRPC status code so both ends agree."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class AtollError(RuntimeError):
+    """Base class of every error atoll reports to its caller."""
+
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidInput(AtollError, ValueError):
+    """The request was malformed or does not match the compiled program (shape, dtype, arguments)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(AtollError, LookupError):
+    """An unknown job or worker id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unauthenticated(AtollError, PermissionError):
+    """The call carried no cluster token, or the wrong one."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class NotEnoughWorkers(AtollError):
+    """The program needs more live workers than the cluster has free."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class JobFailed(AtollError):
+    """The job can no longer run: a worker died or a step failed part-way (state is undefined)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WorkerUnavailable(AtollError):
+    """A daemon could not be reached, or stopped answering."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(AtollError, TimeoutError):
+    """A call or a data-plane wait ran past its deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        InvalidInput,
+        NotFound,
+        Unauthenticated,
+        NotEnoughWorkers,
+        JobFailed,
+        WorkerUnavailable,
+        DeadlineExceeded,
+    )
+}
+
+
+def from_status(code: grpc.StatusCode, message: str) -> AtollError:
+    return _BY_CODE.get(code, AtollError)(message)

@@ -1,0 +1,186 @@
+"""An embedded local cluster: a controller and N workers as subprocesses on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runtime._auth import create_token_file
+from runtime.client import Client, connect
+from runtime.errors import WorkerUnavailable
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class LocalCluster:
+    """Starts a controller and ``workers`` CPU workers with a fresh token; stops them all on exit.
+
+    Use as a context manager. Every process is started by this object, tracked by PID, and
+    stopped on exit (also when the body raises); each daemon also exits by itself if this
+    process dies. Logs go to ``log_dir`` (kept when ``keep_logs``).
+    """
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        threads_per_worker: int | None = None,
+        startup_timeout_s: float = 90.0,
+        heartbeat_timeout_s: float = 5.0,
+        keep_logs: bool = False,
+        log_level: str = "WARNING",
+    ):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.num_workers = workers
+        self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        self.startup_timeout_s = startup_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.keep_logs = keep_logs
+        self.log_level = log_level
+        self.address = ""
+        self.token = ""
+        self.log_dir: Path | None = None
+        self.controller: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self._logs: list = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in ([self.controller] if self.controller else []) + self.workers]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        self._logs.append(log)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime.cli",
+            *args,
+            "--exit-with-parent",
+            str(os.getpid()),
+            "--log-level",
+            self.log_level,
+        ]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def _wait_file(self, path: Path, proc: subprocess.Popen, deadline: float) -> str:
+        while time.monotonic() < deadline:
+            if path.exists():
+                return path.read_text().strip()
+            if proc.poll() is not None:
+                raise WorkerUnavailable(
+                    f"process exited with code {proc.returncode} during startup:\n{self._tail(proc)}"
+                )
+            time.sleep(0.05)
+        raise WorkerUnavailable(f"no ready file {path} within {self.startup_timeout_s}s")
+
+    def _tail(self, proc: subprocess.Popen) -> str:
+        for log in self._logs:
+            log.flush()
+        name = "controller" if proc is self.controller else f"worker{self.workers.index(proc)}"
+        return (self.log_dir / f"{name}.log").read_text()[-3000:]
+
+    def start(self) -> LocalCluster:
+        self.log_dir = Path(tempfile.mkdtemp(prefix="atoll-cluster-"))
+        token_file = self.log_dir / "token"
+        self.token = create_token_file(token_file)
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            ready = self.log_dir / "controller.ready"
+            self.controller = self._spawn(
+                "controller",
+                [
+                    "controller",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--token-file",
+                    str(token_file),
+                    "--ready-file",
+                    str(ready),
+                    "--heartbeat-timeout",
+                    str(self.heartbeat_timeout_s),
+                ],
+            )
+            self.address = self._wait_file(ready, self.controller, deadline)
+            for i in range(self.num_workers):
+                self.workers.append(
+                    self._spawn(
+                        f"worker{i}",
+                        [
+                            "worker",
+                            "--controller",
+                            self.address,
+                            "--device",
+                            "cpu",
+                            "--token-file",
+                            str(token_file),
+                            "--threads",
+                            str(self.threads_per_worker),
+                            "--ready-file",
+                            str(self.log_dir / f"worker{i}.ready"),
+                        ],
+                    )
+                )
+            for i, proc in enumerate(self.workers):
+                self._wait_file(self.log_dir / f"worker{i}.ready", proc, deadline)
+            self._wait_registered(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_registered(self, deadline: float) -> None:
+        with self.client() as client:
+            while True:
+                alive = sum(w.alive for w in client.status().workers)
+                if alive >= self.num_workers:
+                    return
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailable(f"only {alive} of {self.num_workers} workers registered in time")
+                time.sleep(0.05)
+
+    def client(self) -> Client:
+        return connect(self.address, self.token)
+
+    def kill_worker(self, index: int) -> int:
+        """SIGKILL one worker (to test failure handling); returns its PID."""
+        proc = self.workers[index]
+        proc.kill()
+        proc.wait(10)
+        return proc.pid
+
+    def stop(self) -> None:
+        procs = [p for p in [*self.workers, self.controller] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        if self.log_dir is not None and not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,113 @@
+"""Readable views of what the controller reports: a job's plan and the cluster's status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A compiled pipeline: placement, per-rank actions, the rank x time grid, predicted memory.
+
+    ``report`` holds everything as plain data; the properties are conveniences over it.
+    """
+
+    report: dict
+
+    @property
+    def actions(self) -> dict[int, list[str]]:
+        return {int(r): a for r, a in self.report["actions"].items()}
+
+    @property
+    def predicted_memory(self) -> dict[int, dict[str, int]]:
+        """Per rank: peak bytes split into parameters, gradients, optimizer, activations, buffers."""
+        return {int(r): m for r, m in self.report["predicted_memory"].items()}
+
+    @property
+    def grid(self) -> list[list[str]]:
+        return self.report["grid"]
+
+    def render_grid(self) -> str:
+        rows = self.grid
+        width = max((len(c) for row in rows for c in row), default=1)
+        return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in row) for r, row in enumerate(rows))
+
+    def render(self) -> str:
+        r = self.report
+        lines = [
+            f"schedule {r['schedule']}: {r['ranks']} ranks x {r['virtual_stages']} chunk(s) = "
+            f"{r['num_stages']} stages, {r['microbatches']} microbatches"
+            + (", rematerialized" if r["rematerialize"] else "")
+        ]
+        for s in r["stages"]:
+            where = r["placement"].get(str(s["rank"]), f"rank {s['rank']}")
+            stash = _mib(s["stashed_bytes_per_microbatch"])
+            lines.append(
+                f"  stage {s['stage']} on {where}: blocks {','.join(s['blocks'])}  "
+                f"{s['input']} -> {s['output']}  {s['forward_flops'] / 1e6:.1f} MFLOP fwd, "
+                f"params {_mib(s['parameter_bytes'])} MiB, stash/mb {stash} MiB"
+            )
+        lines.append(
+            f"predicted bubble fraction {r['predicted_bubble_fraction']:.3f} (F=1, B=2 time units); '.' marks a bubble:"
+        )
+        lines.append(self.render_grid())
+        lines.append("predicted peak MiB per rank: params grads optim activations buffers = total (stashed mbs)")
+        for rank, m in sorted(self.predicted_memory.items()):
+            lines.append(
+                f"  rank {rank}: {_mib(m['parameters'])} {_mib(m['gradients'])} {_mib(m['optimizer'])} "
+                f"{_mib(m['activations'])} {_mib(m['buffers'])} = {_mib(m['total'])} "
+                f"({m['peak_stashed_microbatches']})"
+            )
+        return "\n".join(lines)
+
+    __str__ = render
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    worker_id: str
+    address: str
+    device: str
+    host: str
+    alive: bool
+    seconds_since_heartbeat: float
+    jobs: tuple[str, ...]
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    job_id: str
+    name: str
+    state: str
+    workers: tuple[str, ...]
+    steps: int
+    schedule: str
+    stages: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    workers: tuple[WorkerStatus, ...]
+    jobs: tuple[JobStatus, ...]
+
+    def render(self) -> str:
+        lines = [f"workers ({sum(w.alive for w in self.workers)} alive):"]
+        for w in self.workers:
+            state = "alive" if w.alive else "dead"
+            lines.append(
+                f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} pid={w.pid} "
+                f"heartbeat {w.seconds_since_heartbeat:.1f}s ago  jobs={','.join(w.jobs) or '-'}"
+            )
+        lines.append(f"jobs ({len(self.jobs)}):")
+        for j in self.jobs:
+            lines.append(
+                f"  {j.job_id:6} {j.state:7} {j.name} schedule={j.schedule} stages={j.stages} "
+                f"steps={j.steps} workers={','.join(j.workers)}" + (f"  error: {j.error}" if j.error else "")
+            )
+        return "\n".join(lines)

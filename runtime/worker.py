@@ -1,0 +1,217 @@
+"""The worker daemon: owns one device, registers with the controller, loads plans, runs steps.
+
+Workers interpret, they do not decide: everything they run arrives in a plan compiled by the
+controller. Stage programs arrive as exported graphs and load with pickle refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from runtime._actions import Action
+from runtime._executor import PipelineExecutor, StageSetup
+from runtime._graphs import BlockGraph, StageGraph, deserialize
+from runtime._grpc import Endpoint, make_server, rpc_handler
+from runtime._rpc import atoll_pb2 as pb
+from runtime._rpc import atoll_pb2_grpc as pb_grpc
+from runtime._transport import DataPlaneError, GlooTransport
+from runtime._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
+from runtime.errors import AtollError, InvalidInput, JobFailed, NotFound
+
+log = logging.getLogger("atoll.worker")
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, *, device: str, host: str, controller_host: str):
+        self.device = torch.device(device)
+        self.host = host
+        self.controller_host = controller_host
+        self._jobs: dict[str, PipelineExecutor] = {}
+        self._lock = threading.Lock()
+
+    def _job(self, job_id: str) -> PipelineExecutor:
+        with self._lock:
+            executor = self._jobs.get(job_id)
+        if executor is None:
+            raise NotFound(f"job {job_id!r} is not loaded on this worker")
+        return executor
+
+    @property
+    def job_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
+    @rpc_handler
+    def LoadPlan(self, request: pb.LoadPlanRequest, context):
+        with self._lock:
+            if request.job_id in self._jobs:
+                raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
+        stages = []
+        for sp in request.stages:
+            blocks = [
+                BlockGraph(b.name, deserialize(b.exported_program, f"stage {sp.stage} block '{b.name}'"))
+                for b in sp.blocks
+            ]
+            stages.append(
+                StageSetup(
+                    index=sp.stage,
+                    graph=StageGraph(blocks).to(self.device),
+                    input=spec_from_pb(sp.input),
+                    output=spec_from_pb(sp.output),
+                )
+            )
+        loss = None
+        if request.loss_program:
+            loss = BlockGraph("loss", deserialize(request.loss_program, "loss program"))
+            loss.module.to(self.device)
+        try:
+            actions = [Action.parse(a) for a in request.actions]
+            recv_slots = {Action.parse(s.action): s.slot for s in request.recv_slots}
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
+        store = request.store_address
+        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
+            store = f"{self.controller_host}{store}"
+        transport = None
+        if request.world_size > 1:
+            try:
+                transport = GlooTransport(
+                    store_address=store,
+                    prefix=request.store_prefix,
+                    rank=request.rank,
+                    world_size=request.world_size,
+                    hostname=self.host,
+                    timeout_s=request.timeout_s,
+                )
+            except DataPlaneError as e:
+                raise JobFailed(str(e)) from None
+        executor = PipelineExecutor(
+            rank=request.rank,
+            stages=stages,
+            loss=loss,
+            num_stages=request.num_stages,
+            stage_ranks=list(request.stage_ranks),
+            microbatches=request.microbatches,
+            actions=actions,
+            recv_slots=recv_slots,
+            optimizer=request.optimizer,
+            optimizer_args=json.loads(request.optimizer_args_json or "{}"),
+            rematerialize=request.rematerialize,
+            transport=transport,
+            timeout_s=request.timeout_s,
+            device=self.device,
+        )
+        with self._lock:
+            self._jobs[request.job_id] = executor
+        log.info("loaded job %s as rank %d (%d actions)", request.job_id, request.rank, len(actions))
+        return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
+
+    @rpc_handler
+    def RunStep(self, request: pb.RunStepRequest, context):
+        executor = self._job(request.job_id)
+        inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
+        targets = [tensor_from_pb(t, "target") for t in request.targets] or None
+        try:
+            losses, memory = executor.run_step(inputs, targets)
+        except Exception as e:
+            raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
+        return pb.RunStepReply(microbatch_losses=losses, memory_json=json.dumps(memory))
+
+    @rpc_handler
+    def GetState(self, request: pb.JobRef, context):
+        executor = self._job(request.job_id)
+        return pb.StateReply(
+            tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in executor.state_dict().items()]
+        )
+
+    @rpc_handler
+    def Unload(self, request: pb.JobRef, context):
+        with self._lock:
+            executor = self._jobs.pop(request.job_id, None)
+        if executor is None:
+            raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
+        executor.close()
+        return pb.Empty()
+
+    @rpc_handler
+    def Ping(self, request, context):
+        return pb.Empty()
+
+
+class WorkerDaemon:
+    """Serves the Worker service and keeps itself registered with the controller."""
+
+    def __init__(
+        self,
+        *,
+        controller: str,
+        token: str,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+    ):
+        self.controller_address = controller
+        controller_host = controller.rsplit(":", 1)[0]
+        self.service = WorkerService(device=device, host=advertise_host or host, controller_host=controller_host)
+        self.server, self.port = make_server(token, host, port)
+        pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
+        self.address = f"{advertise_host or host}:{self.port}"
+        self.device = device
+        self._controller = Endpoint(controller, token, pb_grpc.ControllerStub, default_timeout_s=10.0)
+        self._stop = threading.Event()
+        self.worker_id = ""
+        self._interval = 1.0
+
+    def _register(self) -> None:
+        gpu_uuid = ""
+        if self.device.startswith("cuda"):
+            gpu_uuid = str(torch.cuda.get_device_properties(torch.device(self.device)).uuid)
+        reply = self._controller.call(
+            "RegisterWorker",
+            pb.RegisterWorkerRequest(
+                address=self.address, device=self.device, host=socket.gethostname(), pid=os.getpid(), gpu_uuid=gpu_uuid
+            ),
+        )
+        self.worker_id = reply.worker_id
+        self._interval = reply.heartbeat_interval_s or 1.0
+        log.info("registered as %s at %s", self.worker_id, self.address)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                if not self.worker_id:
+                    self._register()
+                    continue
+                reply = self._controller.call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id), timeout_s=5.0)
+                if not reply.known:
+                    log.warning("controller forgot %s; registering again", self.worker_id)
+                    self.worker_id = ""
+            except AtollError as e:
+                log.warning("heartbeat to %s failed: %s", self.controller_address, e)
+
+    def start(self, register_timeout_s: float = 30.0) -> None:
+        self.server.start()
+        deadline = time.monotonic() + register_timeout_s
+        while True:
+            try:
+                self._register()
+                break
+            except AtollError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("controller %s not ready (%s); retrying", self.controller_address, e)
+                time.sleep(0.5)
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop(grace=1.0).wait(5.0)
+        self._controller.close()

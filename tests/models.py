@@ -1,0 +1,38 @@
+"""Small models the multi-process tests train, with blocks of deliberately unequal cost."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from examples.gpt import GPTConfig, build_gpt, lm_loss
+
+
+def mlp(seed: int = 0) -> tuple[nn.Module, list, callable]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(16, 64),
+        nn.ReLU(),
+        nn.Linear(64, 128),
+        nn.Tanh(),
+        nn.Linear(128, 32),
+        nn.ReLU(),
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Linear(64, 4),
+    )
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(5)]
+    return model, batches, F.mse_loss
+
+
+def transformer(seed: int = 0, layers: int = 4) -> tuple[nn.Module, list, callable]:
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=24, block_size=16, d_model=32, n_heads=4, n_layers=layers)
+    model = build_gpt(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randint(0, 24, (16, 16), generator=g), torch.randint(0, 24, (16, 16), generator=g)) for _ in range(5)
+    ]
+    return model, batches, lm_loss

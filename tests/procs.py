@@ -1,0 +1,57 @@
+"""Process bookkeeping for tests: find what the suite started, stop it by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # the command name may contain spaces and parentheses: the ppid follows the last ')'
+        fields = text[text.rindex(")") + 2 :].split()
+        if fields[0] == "Z":  # a zombie is already dead; its parent just has not reaped it
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(text.split(" ", 1)[0]))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids, out, todo = children_map(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie answers kill(0) but is dead
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)

@@ -1,0 +1,233 @@
+"""Bad input gets a clear error, and the daemons keep serving afterwards."""
+
+import io
+import zipfile
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import runtime
+from runtime._auth import call_metadata
+from runtime._rpc import atoll_pb2 as pb
+from runtime._trace import trace_pipeline
+from runtime._wire import spec_to_pb
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def mlp_job(cluster4):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    with cluster4.client() as client:
+        job = client.pipeline(
+            model,
+            example_input=x,
+            example_target=y,
+            loss_fn=loss_fn,
+            stages=4,
+            microbatches=4,
+            optimizer="sgd",
+            optimizer_args={"lr": 0.01},
+        )
+        yield job, x, y
+        job.close()
+
+
+def still_serving(job, x, y):
+    loss = job.step(x, y)
+    assert loss == loss and loss > 0
+
+
+def test_wrong_input_shape_names_edge_and_shapes(mlp_job):
+    job, x, y = mlp_job
+    with pytest.raises(runtime.InvalidInput) as err:
+        job.step(x[:30], y)
+    message = str(err.value)
+    assert "edge 'input'" in message
+    assert "expected float32[32, 16]" in message and "received float32[30, 16]" in message
+    still_serving(job, x, y)
+
+
+def test_wrong_target_dtype_names_edge(mlp_job):
+    job, x, y = mlp_job
+    expected = r"edge 'target': expected float32\[32, 4\], received float64\[32, 4\]"
+    with pytest.raises(runtime.InvalidInput, match=expected):
+        job.step(x, y.double())
+    still_serving(job, x, y)
+
+
+def test_wrong_token_is_rejected_before_deserializing(cluster4, mlp_job):
+    job, x, y = mlp_job
+    channel = grpc.insecure_channel(cluster4.address)
+    garbage = b"\xff\xfe not a protobuf \x00" * 10
+    raw = channel.unary_unary("/atoll.v1.Controller/Step", request_serializer=None, response_deserializer=None)
+    # a wrong token with an unparseable body: UNAUTHENTICATED (a parse attempt would say INTERNAL)
+    with pytest.raises(grpc.RpcError) as err:
+        raw(garbage, metadata=call_metadata("not-the-token"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        raw(garbage, timeout=10)  # no token at all
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the same garbage with the right token does get parsed, and fails as malformed
+    with pytest.raises(grpc.RpcError) as err:
+        raw(garbage, metadata=call_metadata(cluster4.token), timeout=10)
+    assert err.value.code() != grpc.StatusCode.UNAUTHENTICATED
+    channel.close()
+    with runtime.connect(cluster4.address, token="wrong") as bad, pytest.raises(runtime.Unauthenticated):
+        bad.status()
+    still_serving(job, x, y)
+
+
+def test_workers_also_require_the_token(cluster4):
+    with cluster4.client() as client:
+        worker = client.status().workers[0]
+    channel = grpc.insecure_channel(worker.address)
+    ping = channel.unary_unary("/atoll.v1.Worker/Ping", request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as err:
+        ping(b"", metadata=call_metadata("wrong"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ping(b"", metadata=call_metadata(cluster4.token), timeout=10) == b""
+    channel.close()
+
+
+def test_more_stages_than_live_workers(client4, mlp_job):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    with pytest.raises(runtime.NotEnoughWorkers, match=r"needs 5 workers .* but 4 are alive"):
+        client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=5, microbatches=4)
+    still_serving(*mlp_job)
+
+
+def test_unknown_job_id(client4, mlp_job):
+    with pytest.raises(runtime.NotFound, match="unknown job 'no-such-job'"):
+        client4.job("no-such-job")
+    with pytest.raises(runtime.NotFound, match="unknown job"):
+        client4._call("Step", pb.StepRequest(job_id="no-such-job"))
+    still_serving(*mlp_job)
+
+
+class _NotInOrder(nn.Module):
+    """Children exist, but forward uses them in another order (and twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(self.b(x)) + self.b(x)
+
+
+def test_model_that_cannot_be_split(client4, mlp_job):
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with pytest.raises(runtime.InvalidInput, match="cannot split _NotInOrder: running its top-level children"):
+        client4.pipeline(_NotInOrder(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
+    with pytest.raises(runtime.InvalidInput, match="has no top-level children"):
+        client4.pipeline(nn.ReLU(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
+    still_serving(*mlp_job)
+
+
+def test_bad_arguments_are_refused_by_name(client4, mlp_job):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+
+    def submit(**kw):
+        args = {"stages": 2, "microbatches": 4, **kw}
+        return client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, **args)
+
+    with pytest.raises(runtime.InvalidInput, match="unknown schedule 'zigzag'"):
+        submit(schedule="zigzag")
+    with pytest.raises(runtime.InvalidInput, match="unknown optimizer 'lion'"):
+        submit(optimizer="lion")
+    with pytest.raises(runtime.InvalidInput, match="takes no argument 'learning_rate'"):
+        submit(optimizer="sgd", optimizer_args={"learning_rate": 0.1})
+    with pytest.raises(runtime.InvalidInput, match="not divisible into 5 microbatches"):
+        submit(microbatches=5)
+    still_serving(*mlp_job)
+
+
+def _program(traced, **overrides) -> pb.PipelineProgram:
+    program = pb.PipelineProgram(
+        blocks=[pb.Block(name=n, exported_program=d) for n, d in traced.blocks],
+        loss_program=traced.loss,
+        stages=2,
+        microbatches=2,
+        schedule="gpipe",
+        optimizer="sgd",
+        optimizer_args_json="{}",
+        input=spec_to_pb(traced.input),
+        target=spec_to_pb(traced.target),
+    )
+    for key, value in overrides.items():
+        setattr(program, key, value) if not isinstance(value, list) else getattr(program, key).extend(value)
+    return program
+
+
+def _small_traced():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return trace_pipeline(model, torch.randn(4, 4), torch.randn(4, 4), F.mse_loss, 2)
+
+
+def test_malformed_program_is_refused(client4, mlp_job):
+    traced = _small_traced()
+    program = _program(traced)
+    program.blocks[1].exported_program = b"this is not an archive"
+    with pytest.raises(runtime.InvalidInput, match=r"block 1 \('1'\): not a loadable torch.export archive"):
+        client4._call("SubmitPipeline", program)
+    still_serving(*mlp_job)
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _poisoned(archive: bytes, marker: str) -> bytes:
+    """The same export archive, with a pickle that would create ``marker`` when unpickled."""
+    src, out = zipfile.ZipFile(io.BytesIO(archive)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("sample_inputs/model.pt"):
+                buf = io.BytesIO()
+                torch.save({"evil": _Evil(marker)}, buf)
+                data = buf.getvalue()
+            dst.writestr(info, data)
+    return out.getvalue()
+
+
+def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
+    traced = _small_traced()
+    marker = tmp_path / "pwned"
+    program = _program(traced)
+    program.blocks[0].exported_program = _poisoned(traced.blocks[0][1], str(marker))
+    with pytest.raises(runtime.InvalidInput, match="arbitrary pickled objects are refused"):
+        client4._call("SubmitPipeline", program)
+    # and a worker handed the same archive directly refuses it too
+    worker = client4.status().workers[0]
+    channel = grpc.insecure_channel(worker.address)
+    load = channel.unary_unary(
+        "/atoll.v1.Worker/LoadPlan",
+        request_serializer=pb.LoadPlanRequest.SerializeToString,
+        response_deserializer=pb.LoadPlanReply.FromString,
+    )
+    request = pb.LoadPlanRequest(
+        job_id="evil",
+        rank=0,
+        world_size=1,
+        stages=[
+            pb.StageProgram(stage=0, blocks=[pb.Block(name="0", exported_program=program.blocks[0].exported_program)])
+        ],
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        load(request, metadata=call_metadata(cluster4.token), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    assert not marker.exists()
+    still_serving(*mlp_job)

@@ -1,0 +1,117 @@
+"""The by-hand workflow: `atoll controller`, two `atoll worker`s and a client script, each its own
+process, train a 2-stage model; `atoll status` lists the workers and the job."""
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import stop
+
+ROOT = Path(__file__).resolve().parent.parent
+ATOLL = [sys.executable, "-m", "runtime.cli"]
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    import runtime
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    client = runtime.connect(sys.argv[1], token_file=sys.argv[2])
+    job = client.pipeline(model, example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2,
+                          microbatches=2, optimizer="sgd", optimizer_args={"lr": 0.1}, name="by-hand")
+    losses = [job.step(x, y) for _ in range(5)]
+    print("losses", " ".join(f"{l:.5f}" for l in losses))
+    print("job", job.id)
+""")
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text().strip()
+        assert proc.poll() is None, f"{proc.args} exited early with {proc.returncode}"
+        time.sleep(0.05)
+    pytest.fail(f"{path} not written in {timeout_s}s")
+
+
+@pytest.fixture()
+def daemons(tmp_path):
+    procs: list[subprocess.Popen] = []
+    yield procs
+    stop(procs)
+
+
+def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
+    token = tmp_path / "token"  # created by the controller
+    logs = [open(tmp_path / f"{n}.log", "w") for n in ("controller", "worker0", "worker1")]
+    daemons.append(
+        subprocess.Popen(
+            [
+                *ATOLL,
+                "controller",
+                "--port",
+                "0",
+                "--token-file",
+                str(token),
+                "--ready-file",
+                str(tmp_path / "c.ready"),
+            ],
+            stdout=logs[0],
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    )
+    address = wait_for(tmp_path / "c.ready", daemons[0])
+    assert f"listening on {address}" in (tmp_path / "controller.log").read_text()
+    assert token.stat().st_mode & 0o777 == 0o600
+    for i in range(2):
+        daemons.append(
+            subprocess.Popen(
+                [
+                    *ATOLL,
+                    "worker",
+                    "--controller",
+                    address,
+                    "--device",
+                    "cpu",
+                    "--token-file",
+                    str(token),
+                    "--ready-file",
+                    str(tmp_path / f"w{i}.ready"),
+                ],
+                stdout=logs[1 + i],
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        )
+    for i in range(2):
+        wait_for(tmp_path / f"w{i}.ready", daemons[1 + i])
+
+    client = subprocess.run(
+        [sys.executable, "-c", CLIENT_SCRIPT, address, str(token)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert client.returncode == 0, client.stderr[-3000:]
+    losses = [float(v) for v in client.stdout.split("losses", 1)[1].splitlines()[0].split()]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    job_id = client.stdout.split("job", 1)[1].split()[0]
+
+    status = subprocess.run(
+        [*ATOLL, "status", "--controller", address, "--token-file", str(token)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    assert "workers (2 alive)" in status.stdout
+    assert status.stdout.count(" alive ") == 2
+    assert job_id in status.stdout and "by-hand" in status.stdout and "steps=5" in status.stdout

@@ -1,0 +1,20 @@
+"""The committed gRPC/protobuf modules are exactly what proto/generate.py makes from proto/atoll.proto."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_modules_match_the_schema(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    for name in ("atoll_pb2.py", "atoll_pb2_grpc.py"):
+        fresh = (tmp_path / "runtime" / "_rpc" / name).read_text()
+        committed = (ROOT / "runtime" / "_rpc" / name).read_text()
+        assert fresh == committed, f"runtime/_rpc/{name} is stale: run python proto/generate.py"
