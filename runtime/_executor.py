@@ -9,6 +9,7 @@ action's position in the rank x time grid when anything goes wrong.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,8 @@ class _StepState:
     losses: dict[int, float] = field(default_factory=dict)
     activation_bytes: int = 0
     meter: PeakMeter = field(default_factory=PeakMeter)
+    waiting_s: float = 0.0
+    """Time spent blocked on the data plane: the measured bubble plus transfer time."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,6 +136,7 @@ class PipelineExecutor:
     def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None):
         """Run the action list once; returns (per-microbatch losses, measured memory)."""
         with self._lock:
+            started = time.perf_counter()
             state = _StepState(self._split(inputs), self._split(targets))
             position, action = -1, None
             try:
@@ -140,8 +144,7 @@ class PipelineExecutor:
                     self._run(action, state)
                     if action.is_compute or action.kind is Kind.STEP:
                         self._observe(state)
-                for handle in state.sends:
-                    handle.wait(self.timeout_s)
+                self._wait(state.sends, state)
             except Exception as e:
                 where = f"rank {self.rank}, action #{position} '{action}'" if action else f"rank {self.rank}"
                 kind = "data plane" if isinstance(e, DataPlaneError) else type(e).__name__
@@ -153,10 +156,19 @@ class PipelineExecutor:
                 state.pending_recvs.clear()
             self.steps += 1
             losses = [state.losses[m] for m in sorted(state.losses)]
+            wall = time.perf_counter() - started
             return losses, {
                 "peak": state.meter.peak.as_dict(),
                 "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
+                "wall_s": wall,
+                "waiting_s": state.waiting_s,
             }
+
+    def _wait(self, handles, state: _StepState) -> None:
+        started = time.perf_counter()
+        for handle in handles:
+            handle.wait(self.timeout_s)
+        state.waiting_s += time.perf_counter() - started
 
     def _split(self, tensors: list[torch.Tensor] | None) -> list[list[torch.Tensor]] | None:
         if tensors is None:
@@ -215,8 +227,7 @@ class PipelineExecutor:
             buffers, handles = state.pending_recvs.pop(action)
         except KeyError:
             raise RuntimeError(f"compute needs {action}, which was not posted before it") from None
-        for handle in handles:
-            handle.wait(self.timeout_s)
+        self._wait(handles, state)
         return buffers
 
     def _send_forward(self, action: Action, state: _StepState) -> None:
@@ -309,8 +320,7 @@ class PipelineExecutor:
             ]
 
     def _optimizer_step(self, state: _StepState) -> None:
-        for handle in state.sends:
-            handle.wait(self.timeout_s)
+        self._wait(state.sends, state)
         state.sends.clear()
         if self.optimizer is None:
             return

@@ -16,19 +16,24 @@ import torch
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
 
+def _storage(t: torch.Tensor):
+    # A view resolves to its base (``_base`` is always the root, never another view): a fake
+    # tensor's view, say ``weight.t()`` saved by a linear layer, has a storage object of its own.
+    base = t._base
+    return (t if base is None else base).untyped_storage()
+
+
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of the memory behind ``t``. Views resolve to their base first: a fake tensor's
-    view (say, ``weight.t()`` saved by a linear layer) does not share its base's storage object."""
-    while t._base is not None:
-        t = t._base
-    return t.untyped_storage()._cdata
+    """Identity of the memory behind ``t``."""
+    return _storage(t)._cdata
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            storage = _storage(t)
+            seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -41,18 +46,20 @@ class SavedTensors:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self.exclude:
-            self.storages[key] = t.untyped_storage().nbytes()
+        self._count(t)
         # detach: holding ``t`` itself would tie saved outputs to their grad_fn in a cycle
         return t.detach()
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = _storage(t)
+        key = storage._cdata
+        if key not in self.exclude:
+            self.storages[key] = storage.nbytes()
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors the executor holds on to for backward (stage outputs, inputs)."""
         for t in tensors:
-            key = storage_key(t)
-            if key not in self.exclude:
-                self.storages[key] = t.untyped_storage().nbytes()
+            self._count(t)
 
     @property
     def nbytes(self) -> int:

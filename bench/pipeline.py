@@ -1,0 +1,258 @@
+"""Benchmark: atoll pipelines vs torch.distributed.pipelining, side by side in one run.
+
+    python bench/pipeline.py                      # GPipe, 1F1B, interleaved 1F1B on CPU/gloo
+    python bench/pipeline.py --schedules gpipe --steps 20
+
+Both sides train the same GPT-style model (examples/gpt.py) from the same initial weights, with
+the same stage boundaries (atoll's cost-balanced partition, reused for torch), the same
+microbatches, the same number of processes (one per pipeline rank, gloo between them) and the
+same intra-op threads per process.
+
+Small shared machines are noisy, so the two are measured in alternating rounds while both sets of
+processes stay up (atoll, torch, atoll, torch, ...): each round gives a ratio, and the report
+gives per-round ratios and their median. Prints one JSON object; ratio = atoll / torch steps per
+second (above 1 means atoll is faster). Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import runtime  # noqa: E402
+from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def make_setup(args):
+    torch.manual_seed(0)
+    corpus = CharCorpus()
+    cfg = GPTConfig(vocab_size=corpus.vocab_size, n_layers=args.layers, d_model=args.d_model)
+    model = build_gpt(cfg)
+    g = torch.Generator().manual_seed(0)
+    batches = [corpus.batch(args.batch, cfg.block_size, g) for _ in range(16)]
+    return model, batches
+
+
+class AtollSide:
+    def __init__(self, client, model, batches, args, schedule: str, virtual: int):
+        x, y = batches[0]
+        self.job = client.pipeline(
+            model,
+            example_input=x,
+            example_target=y,
+            loss_fn=lm_loss,
+            stages=args.ranks,
+            microbatches=args.microbatches,
+            schedule=schedule,
+            virtual_stages=virtual,
+            optimizer="sgd",
+            optimizer_args={"lr": 0.01},
+        )
+        self.batches, self.args, self.next = batches, args, 0
+        self.stage_blocks = [[int(b) for b in s["blocks"]] for s in self.job.plan.report["stages"]]
+        self.run(args.warmup)
+
+    def run(self, steps: int) -> tuple[float, float]:
+        """Returns (steps per second, last loss)."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            x, y = self.batches[self.next % len(self.batches)]
+            self.next += 1
+            loss = self.job.step(x, y)
+        return steps / (time.perf_counter() - start), loss
+
+    def close(self) -> None:
+        self.job.close()
+
+
+def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, results):
+    from torch.distributed import pipelining
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    model, batches = make_setup(args)
+    blocks = list(model.children())
+    num_stages = world * virtual
+    stage_ids = [rank + k * world for k in range(virtual)]
+    stages = [
+        pipelining.PipelineStage(
+            torch.nn.Sequential(*[blocks[i] for i in stage_blocks[s]]), s, num_stages, torch.device("cpu")
+        )
+        for s in stage_ids
+    ]
+    opt = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=0.01)
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    sched = cls(stages if schedule == "interleaved_1f1b" else stages[0], args.microbatches, loss_fn=lm_loss)
+    holds_first, holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
+    step_index = 0
+
+    def step():
+        nonlocal step_index
+        x, y = batches[step_index % len(batches)]
+        step_index += 1
+        losses: list = []
+        kwargs = {"target": y, "losses": losses} if holds_last else {}
+        sched.step(x, **kwargs) if holds_first else sched.step(**kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return sum(losses).item() / len(losses) if losses else None
+
+    for _ in range(args.warmup):
+        step()
+    results.put("ready")
+    while (steps := go[rank].get()) > 0:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        dist.barrier()
+        if holds_last:
+            results.put((steps / (time.perf_counter() - start), loss))
+    dist.destroy_process_group()
+
+
+class TorchSide:
+    """torch.distributed.pipelining ranks in their own processes, run a round at a time on request."""
+
+    def __init__(self, args, schedule: str, virtual: int, stage_blocks):
+        ctx = mp.get_context("spawn")
+        self.go = [ctx.Queue() for _ in range(args.ranks)]
+        self.results = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.procs = [
+            ctx.Process(
+                target=_torch_rank,
+                args=(r, args.ranks, port, args, schedule, virtual, stage_blocks, self.go, self.results),
+            )
+            for r in range(args.ranks)
+        ]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:  # started, imported and warmed up before any round is timed
+            assert self.results.get(timeout=600) == "ready"
+
+    def run(self, steps: int) -> tuple[float, float]:
+        for q in self.go:
+            q.put(steps)
+        return self.results.get(timeout=600)
+
+    def close(self) -> None:
+        for q in self.go:
+            q.put(0)
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def compare(client, model, batches, args, schedule: str) -> dict:
+    virtual = args.virtual_stages if schedule == "interleaved_1f1b" else 1
+    atoll = AtollSide(client, model, batches, args, schedule, virtual)
+    torch_side = TorchSide(args, schedule, virtual, atoll.stage_blocks)
+    try:
+        rounds = []
+        for _ in range(args.rounds):
+            a_rate, a_loss = atoll.run(args.steps)
+            t_rate, t_loss = torch_side.run(args.steps)
+            rounds.append((a_rate, t_rate))
+    finally:
+        bubble = atoll.job.plan.report["predicted_bubble_fraction"]
+        measured = atoll.job.last.memory
+        atoll.close()
+        torch_side.close()
+    waiting = [m["waiting_s"] / m["wall_s"] for m in measured.values()]
+    return {
+        "schedule": schedule,
+        "virtual_stages": virtual,
+        "stage_blocks": atoll.stage_blocks,
+        "atoll_steps_per_s": round(median([a for a, _ in rounds]), 3),
+        "torch_pipelining_steps_per_s": round(median([t for _, t in rounds]), 3),
+        "ratio_atoll_over_torch": round(median([a / t for a, t in rounds]), 3),
+        "ratio_per_round": [round(a / t, 3) for a, t in rounds],
+        "atoll_last_loss": round(a_loss, 5),
+        "torch_last_loss": round(t_loss, 5),
+        "predicted_bubble_fraction": round(bubble, 3),
+        "measured_waiting_fraction_per_rank": [round(w, 3) for w in waiting],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating atoll/torch rounds per schedule")
+    parser.add_argument("--steps", type=int, default=8, help="steps per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    args.threads = max(1, (os.cpu_count() or 1) // args.ranks)
+
+    model, batches = make_setup(args)
+    rows = []
+    with (
+        runtime.LocalCluster(workers=args.ranks, threads_per_worker=args.threads) as cluster,
+        cluster.client() as client,
+    ):
+        for schedule in args.schedules.split(","):
+            rows.append(compare(client, model, batches, args, schedule))
+    print(
+        json.dumps(
+            {
+                "benchmark": "pipeline",
+                "device": "cpu",
+                "transport": "gloo",
+                "ranks": args.ranks,
+                "microbatches": args.microbatches,
+                "batch": args.batch,
+                "model": f"gpt layers={args.layers} "
+                f"d_model={args.d_model} params={sum(p.numel() for p in model.parameters())}",
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
+                "warmup_steps": args.warmup,
+                "threads_per_process": args.threads,
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
