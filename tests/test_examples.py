@@ -1,0 +1,51 @@
+"""The README's main job and the `atoll plan` command, run as a user runs them."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_main_job_trains_and_the_loss_falls():
+    run = subprocess.run(
+        [sys.executable, "examples/train_gpt.py", "--steps", "12"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    first, last = map(float, re.search(r"loss: first 5 steps ([\d.]+) -> last 5 steps ([\d.]+)", run.stdout).groups())
+    assert last < first
+    assert "step 12/12" in run.stdout and "steps/s" in run.stdout
+
+
+def test_atoll_plan_prints_the_plan_without_a_cluster():
+    run = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "plan", "examples/gpt_plan.py", "--schedule", "gpipe", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    plan = json.loads(run.stdout)
+    assert plan["schedule"] == "gpipe" and plan["ranks"] == 4 and plan["placement"] == {}
+    assert set(plan["predicted_memory"]) == {"0", "1", "2", "3"}
+    for memory in plan["predicted_memory"].values():
+        assert memory["total"] == sum(
+            memory[k] for k in ("parameters", "gradients", "optimizer", "activations", "buffers")
+        )
+        assert memory["peak_stashed_microbatches"] == 8
+    assert plan["actions"]["3"][-1] == "3STEP"
+    text = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "plan", "examples/gpt_plan.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    ).stdout
+    assert "schedule 1f1b" in text and "rank 3:" in text and "predicted peak MiB per rank" in text

@@ -1,0 +1,57 @@
+"""A dead worker fails the jobs that used it with a clear error; the rest of the cluster keeps going."""
+
+import time
+
+import pytest
+
+import runtime
+from tests import models
+
+
+def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    with runtime.LocalCluster(workers=3, heartbeat_timeout_s=3.0) as cluster, cluster.client() as client:
+        job = client.pipeline(
+            model,
+            example_input=x,
+            example_target=y,
+            loss_fn=loss_fn,
+            stages=2,
+            microbatches=2,
+            data_plane_timeout_s=5.0,
+            name="doomed",
+        )
+        job.step(x, y)
+        workers = {w.worker_id: w for w in client.status().workers}
+        victim = workers[next(j for j in client.status().jobs if j.job_id == job.id).workers[1]]
+        index = [p.pid for p in cluster.workers].index(victim.pid)
+        cluster.kill_worker(index)
+
+        started = time.monotonic()
+        with pytest.raises(runtime.JobFailed) as err:
+            job.step(x, y)
+        assert time.monotonic() - started < 30
+        assert victim.worker_id in str(err.value)
+        with pytest.raises(runtime.JobFailed, match="has failed and must be submitted again"):
+            job.step(x, y)
+
+        deadline = time.monotonic() + 15
+        while True:
+            status = client.status()
+            dead = {w.worker_id for w in status.workers if not w.alive}
+            if victim.worker_id in dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert dead == {victim.worker_id}
+        assert next(j for j in status.jobs if j.job_id == job.id).state == "failed"
+        job.close()
+
+        # the two live workers take a new job and train it
+        survivor = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
+        losses = [survivor.step(x, y) for _ in range(3)]
+        assert losses[-1] < losses[0]
+        assert victim.worker_id not in next(j for j in client.status().jobs if j.job_id == survivor.id).workers
+        with pytest.raises(runtime.NotEnoughWorkers, match="needs 3 workers .* but 2 are alive"):
+            client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=3, microbatches=2)
+        survivor.close()

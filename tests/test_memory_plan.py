@@ -1,0 +1,73 @@
+"""Predicted memory against the workers' own accounting, on the GPT example."""
+
+import pytest
+import torch
+
+from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss
+
+RANKS, MICROBATCHES = 4, 8
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    corpus = CharCorpus()
+    model = build_gpt(GPTConfig(vocab_size=corpus.vocab_size, n_layers=6))
+    g = torch.Generator().manual_seed(0)
+    return model, [corpus.batch(32, 64, g) for _ in range(3)]
+
+
+def train(client, gpt, schedule, rematerialize=False):
+    model, batches = gpt
+    x, y = batches[0]
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    job = client.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=lm_loss,
+        stages=RANKS,
+        microbatches=MICROBATCHES,
+        schedule=schedule,
+        virtual_stages=virtual,
+        rematerialize=rematerialize,
+        optimizer="adamw",
+        optimizer_args={"lr": 1e-3},
+    )
+    try:
+        for x, y in batches:  # from the second step on, the optimizer state exists throughout
+            job.step(x, y)
+        return job.plan, job.last.memory
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "rematerialize"), [("gpipe", False), ("1f1b", False), ("interleaved_1f1b", False), ("1f1b", True)]
+)
+def test_predicted_peak_within_ten_percent_of_measured(client4, gpt, schedule, rematerialize):
+    plan, measured = train(client4, gpt, schedule, rematerialize)
+    for rank in range(RANKS):
+        predicted = plan.predicted_memory[rank]["total"]
+        actual = measured[rank]["peak"]["total"]
+        assert abs(predicted - actual) <= 0.10 * actual, f"rank {rank}: predicted {predicted}, measured {actual}"
+        assert plan.predicted_memory[rank]["peak_stashed_microbatches"] == measured[rank]["peak_stashed_microbatches"]
+
+
+def test_1f1b_stashes_fewer_microbatches_than_gpipe(client4, gpt):
+    _, gpipe = train(client4, gpt, "gpipe")
+    _, one_f_one_b = train(client4, gpt, "1f1b")
+    for rank in range(RANKS):
+        assert gpipe[rank]["peak_stashed_microbatches"] == MICROBATCHES
+        assert one_f_one_b[rank]["peak_stashed_microbatches"] == min(RANKS - rank, MICROBATCHES)
+        assert one_f_one_b[rank]["peak"]["activations"] < gpipe[rank]["peak"]["activations"]
+
+
+def test_rematerialization_shrinks_stashed_activations(client4, gpt):
+    plan, stash = train(client4, gpt, "gpipe")
+    remat_plan, remat = train(client4, gpt, "gpipe", rematerialize=True)
+    for rank in range(RANKS):
+        assert remat[rank]["peak"]["activations"] < stash[rank]["peak"]["activations"] / 2
+    for a, b in zip(plan.report["stages"], remat_plan.report["stages"]):
+        assert b["stashed_bytes_per_microbatch"] < a["stashed_bytes_per_microbatch"]
+        assert b["recomputed_bytes_per_microbatch"] > 0

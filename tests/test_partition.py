@@ -1,0 +1,82 @@
+"""Cost-balanced partitioning (pure) and the costs the compiler measures on fake tensors."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from controller.compiler import PipelineRequest, compile_pipeline
+from controller.partition import balanced_partition, explicit_partition
+from runtime._trace import trace_pipeline
+from runtime.errors import InvalidInput
+
+
+def brute_force_best(costs, parts):
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_balanced_partition_is_optimal():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        costs = [rng.choice([0, 1, 2, 5, 30]) + rng.random() for _ in range(n)]
+        ranges = balanced_partition(costs, parts)
+        assert len(ranges) == parts and ranges[0].start == 0 and ranges[-1].stop == n
+        assert all(len(r) > 0 for r in ranges) and all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+        assert max(sum(costs[i] for i in r) for r in ranges) == pytest.approx(brute_force_best(costs, parts))
+
+
+def test_heavy_block_gets_a_stage_of_its_own():
+    assert balanced_partition([10, 1, 1, 1, 1, 10], 3) == [range(0, 1), range(1, 5), range(5, 6)]
+
+
+def test_partition_errors():
+    with pytest.raises(InvalidInput, match="cannot split 2 blocks into 3 stages"):
+        balanced_partition([1, 1], 3)
+    assert explicit_partition(5, [2, 3], 3) == [range(0, 2), range(2, 3), range(3, 5)]
+    with pytest.raises(InvalidInput, match="need 2 split points"):
+        explicit_partition(5, [2], 3)
+    with pytest.raises(InvalidInput, match="increasing block indices"):
+        explicit_partition(5, [3, 2], 3)
+    with pytest.raises(InvalidInput, match="increasing block indices"):
+        explicit_partition(5, [0, 2], 3)
+
+
+def _compile(model, x, y, stages, **kw):
+    traced = trace_pipeline(model, x, y, F.mse_loss, 2)
+    return compile_pipeline(
+        PipelineRequest(
+            blocks=traced.blocks,
+            loss=traced.loss,
+            ranks=stages,
+            microbatches=2,
+            input=traced.input,
+            target=traced.target,
+            **kw,
+        )
+    )
+
+
+def test_compiler_balances_measured_flops():
+    torch.manual_seed(0)
+    # one wide block costs as much as all the narrow ones together
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)], nn.Sequential(nn.Linear(32, 256), nn.Linear(256, 32)))
+    compiled = _compile(model, torch.randn(8, 32), torch.randn(8, 32), stages=2)
+    assert [[b.name for b in s.blocks] for s in compiled.stages] == [["0", "1", "2", "3"], ["4"]]
+    assert compiled.stages[0].forward_flops == 4 * 2 * 4 * 32 * 32  # 2*m*n*k per linear, microbatch 4
+    assert compiled.stages[1].forward_flops == 2 * 2 * 4 * 32 * 256
+
+
+def test_explicit_split_points_are_obeyed():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+    compiled = _compile(model, torch.randn(4, 8), torch.randn(4, 8), stages=3, split_points=[1, 4])
+    assert [[b.name for b in s.blocks] for s in compiled.stages] == [["0"], ["1", "2", "3"], ["4"]]

@@ -1,0 +1,204 @@
+"""Schedules, lowering and the deadlock simulator: pure functions, no processes."""
+
+import pytest
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from controller.lowering import lower
+from controller.schedules import build_schedule
+from controller.simulate import ScheduleError, simulate
+from controller.topology import Topology
+from runtime._actions import Action, Kind
+from runtime.errors import InvalidInput
+
+SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def topology(schedule: str, ranks: int, microbatches: int) -> Topology:
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    return Topology(ranks=ranks, virtual_stages=virtual, microbatches=microbatches, schedule=schedule)
+
+
+# ----------------------------------------------------------------- torch's orders
+
+
+class _RecordingStage:
+    """Stands in for a torch PipelineStage: records compute calls, does no communication."""
+
+    def __init__(self, index: int, num_stages: int):
+        self.stage_index, self.num_stages, self.order = index, num_stages, []
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+
+    def forward_one_chunk(self, mb, *args, **kwargs):
+        self.order.append(f"{self.stage_index}F{mb}")
+
+    def backward_one_chunk(self, mb, **kwargs):
+        self.order.append(f"{self.stage_index}B{mb}")
+
+    def get_fwd_recv_ops(self, mb):
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def perform_reduce_grad(self, *args):
+        pass
+
+
+def torch_single_stage_order(schedule: str, ranks: int, microbatches: int) -> dict[int, list[str]]:
+    """What torch's ScheduleGPipe / Schedule1F1B execute, recorded from their own step loop.
+
+    (Schedule1F1B._get_pipeline_order, torch's printable order, is not used: in torch 2.13 it
+    starts the last rank at F1 and ends at F{microbatches}, which its runtime never does.)
+    """
+    cls = {"gpipe": torch_schedules.ScheduleGPipe, "1f1b": torch_schedules.Schedule1F1B}[schedule]
+    order = {}
+    for rank in range(ranks):
+        sched = object.__new__(cls)
+        sched._n_microbatches, sched._num_stages = microbatches, ranks
+        sched._stage = _RecordingStage(rank, ranks)
+        sched._check_inputs = lambda args, kwargs, *rest: ([()] * microbatches, [{}] * microbatches)
+        sched._initialize_stage = sched._maybe_compute_loss = sched._maybe_get_loss = lambda *a, **k: None
+        sched._update_losses = lambda *a, **k: None
+        sched.scale_grads = True
+        sched._step_microbatches([()] * microbatches, [{}] * microbatches)
+        order[rank] = sched._stage.order
+    return order
+
+
+def torch_interleaved_order(ranks: int, virtual: int, microbatches: int) -> dict[int, list[str]]:
+    sched = object.__new__(torch_schedules.ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = ranks, virtual, microbatches
+    sched.number_of_rounds = max(1, microbatches // ranks)
+    sched.microbatches_per_round = microbatches // sched.number_of_rounds
+    return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
+def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
+    topo = topology(schedule, ranks, microbatches)
+    ours = {r: [str(a) for a in acts] for r, acts in build_schedule(topo).items()}
+    if schedule == "interleaved_1f1b":
+        theirs = torch_interleaved_order(ranks, topo.virtual_stages, microbatches)
+    else:
+        theirs = torch_single_stage_order(schedule, ranks, microbatches)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
+def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
+    topo = topology(schedule, ranks, microbatches)
+    lowered = lower(build_schedule(topo), topo, lambda edge: True)
+    timeline = simulate(lowered.actions, topo)
+    assert 0 <= timeline.bubble_fraction < 1
+    for actions in lowered.actions.values():
+        assert actions[-1].kind is Kind.STEP
+        for i, a in enumerate(actions):  # every receive is posted before the compute that reads it
+            if a.kind is Kind.RECV_F:
+                assert actions.index(Action(a.stage, Kind.FORWARD, a.microbatch)) > i
+            if a.kind is Kind.RECV_B:
+                assert actions.index(Action(a.stage, Kind.BACKWARD, a.microbatch)) > i
+
+
+# ----------------------------------------------------------------- golden text
+
+
+def test_gpipe_two_ranks_golden():
+    topo = Topology(ranks=2, microbatches=2, schedule="gpipe")
+    lowered = lower(build_schedule(topo), topo, lambda edge: True)
+    text = {r: " ".join(map(str, acts)) for r, acts in lowered.actions.items()}
+    # receives are posted one compute ahead of the compute that reads them
+    assert text[0] == "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1 0STEP"
+    assert text[1] == "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 1STEP"
+    assert simulate(lowered.actions, topo).render() == (
+        "rank 0: 0F0 0F1   .   .   . 0B0 0B0 0B1 0B1\nrank 1:   . 1F0 1F1 1B0 1B0 1B1 1B1   .   ."
+    )
+
+
+def test_1f1b_four_ranks_golden():
+    topo = Topology(ranks=4, microbatches=8, schedule="1f1b")
+    order = {r: " ".join(map(str, acts)) for r, acts in build_schedule(topo).items()}
+    assert order[0] == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7"
+    assert order[3] == "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7"
+
+
+def test_actions_print_and_parse():
+    for text in ["2F5", "0B3", "1SEND_F0", "3RECV_B12", "0STEP"]:
+        assert str(Action.parse(text)) == text
+    for bad in ["F5", "2X5", "0STEP3", "1SEND_F", ""]:
+        with pytest.raises(ValueError):
+            Action.parse(bad)
+
+
+# ----------------------------------------------------------------- deadlocks
+
+
+def _lowered_gpipe(ranks=2, microbatches=4):
+    topo = Topology(ranks=ranks, microbatches=microbatches, schedule="gpipe")
+    return topo, {r: list(a) for r, a in lower(build_schedule(topo), topo, lambda e: True).actions.items()}
+
+
+def test_simulator_rejects_swapped_send_and_recv_naming_the_blocked_worker():
+    topo, actions = _lowered_gpipe()
+    last = actions[1]
+    i, j = last.index(Action.parse("1RECV_F0")), last.index(Action.parse("1SEND_B0"))
+    last[i], last[j] = last[j], last[i]
+    with pytest.raises(ScheduleError) as err:
+        simulate(actions, topo)
+    message = str(err.value)
+    assert "deadlocks" in message
+    assert "worker rank 1 blocks at action #0 '1SEND_B0': sends the result of 1B0, which has not run" in message
+    assert "worker rank 0 blocks at action" in message and "waits for 1SEND_B0 on rank 1" in message
+
+
+def test_simulator_finds_a_circular_wait():
+    topo, actions = _lowered_gpipe(microbatches=1)
+    first = actions[0]  # move rank 0's send of microbatch 0 after its backward: both ranks wait forever
+    send = first.pop(first.index(Action.parse("0SEND_F0")))
+    first.insert(first.index(Action.parse("0B0")) + 1, send)
+    with pytest.raises(ScheduleError) as err:
+        simulate(actions, topo)
+    message = str(err.value)
+    assert "worker rank 0 blocks at action #2 '0B0': waits for 1SEND_B0 on rank 1" in message
+    assert "worker rank 1 blocks at action #1 '1F0': waits for 0SEND_F0 on rank 0" in message
+
+
+def test_simulator_rejects_missing_and_misplaced_actions():
+    topo, actions = _lowered_gpipe()
+    actions[1].remove(Action.parse("1RECV_F2"))
+    with pytest.raises(ScheduleError, match="its receive 1RECV_F2 is not posted before it"):
+        simulate(actions, topo)
+    topo, actions = _lowered_gpipe()
+    actions[0].remove(Action.parse("0B3"))
+    with pytest.raises(ScheduleError, match="never runs 0B3"):
+        simulate(actions, topo)
+    topo, actions = _lowered_gpipe()
+    actions[0].insert(0, Action.parse("1F0"))
+    with pytest.raises(ScheduleError, match="stage 1 does not live on rank 0"):
+        simulate(actions, topo)
+
+
+# ----------------------------------------------------------------- slots and topology
+
+
+def test_receive_slots_follow_the_schedule_memory():
+    for schedule, expected_forward_slots in [("gpipe", 8), ("1f1b", 2)]:
+        topo = Topology(ranks=4, microbatches=8, schedule=schedule)
+        lowered = lower(build_schedule(topo), topo, lambda e: True)
+        owners = lowered.slot_owner[3].values()
+        # the last rank holds every microbatch's input under GPipe; under 1F1B one, plus one prefetched
+        assert sum(1 for _, kind in owners if kind is Kind.RECV_F) == expected_forward_slots
+
+
+def test_topology_refuses_bad_values():
+    with pytest.raises(InvalidInput, match="unknown schedule"):
+        Topology(ranks=2, microbatches=2, schedule="zigzag")
+    with pytest.raises(InvalidInput, match="ranks must be a positive integer"):
+        Topology(ranks=0, microbatches=2)
+    with pytest.raises(InvalidInput, match="needs 'interleaved_1f1b'"):
+        Topology(ranks=2, virtual_stages=2, microbatches=4, schedule="1f1b")
+    with pytest.raises(InvalidInput, match="divisible by the number of rounds"):
+        Topology(ranks=2, virtual_stages=2, microbatches=5, schedule="interleaved_1f1b")
+    topo = Topology(ranks=3, virtual_stages=2, microbatches=6, schedule="interleaved_1f1b")
+    assert topo.num_stages == 6 and topo.stages_of(1) == [1, 4] and topo.stage_ranks == [0, 1, 2, 0, 1, 2]
