@@ -44,8 +44,10 @@ def measure_stage(
     """Run one microbatch of a stage on fake tensors, counting what the executor would hold."""
     params = [p for _, p in graph.named_parameters()]
     with fake_mode() as mode:
-        # parameters take part as themselves or as their (memoized) fake copies: exclude both
-        exclude = {storage_key(p) for p in params} | {storage_key(mode.from_tensor(p)) for p in params}
+        # Parameters take part as themselves or as their (memoized) fake copies: exclude both.
+        # The copies are held until the end: a freed storage's key can be reused by an activation.
+        fake_params = [mode.from_tensor(p) for p in params]
+        exclude = {storage_key(p) for p in params + fake_params}
         inputs = fake_inputs(input_spec)
         if stage > 0:  # received tensors live in receive buffers, counted apart
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]

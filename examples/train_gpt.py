@@ -1,6 +1,6 @@
 """Main job: train a small GPT-style character model across a 4-stage pipeline on a local cluster.
 
-    python examples/train_gpt.py                  # 4 workers, 1F1B, 150 steps
+    python examples/train_gpt.py                  # 4 workers, 1F1B, 300 steps
     python examples/train_gpt.py --schedule gpipe --steps 50
 
 Starts an embedded LocalCluster (a controller and 4 workers as subprocesses on 127.0.0.1),
@@ -33,7 +33,7 @@ def progress(step: int, total: int, loss: float, rate: float, width: int = 30) -
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=4)

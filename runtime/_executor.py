@@ -299,6 +299,7 @@ class PipelineExecutor:
             counter = SavedTensors(self._param_keys | self._slot_keys)
             with counter:
                 outputs = self._run_stage(s, m, stash.inputs, state)
+            counter.add(outputs)
             # the recomputed activations live only while this backward runs: observe them now
             recomputed = counter.nbytes
             state.activation_bytes += recomputed
