@@ -6,7 +6,7 @@ be called together; a rank called late would only leave its peers waiting.
 
 from __future__ import annotations
 
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from controller.registry import WorkerRecord
@@ -32,9 +32,17 @@ class Dispatcher:
     def __init__(self, max_parallel: int = 64):
         self._pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="dispatch")
 
+    def submit(self, calls: list[Call], timeout_s: float) -> list[Future]:
+        """Send every call now, each from its own thread; returns at once."""
+        return [self._pool.submit(c.worker.endpoint.call, c.method, c.request, timeout_s) for c in calls]
+
     def all(self, calls: list[Call], timeout_s: float) -> list:
+        """Send and wait: replies in call order."""
+        return self.gather(calls, self.submit(calls, timeout_s))
+
+    @staticmethod
+    def gather(calls: list[Call], futures: list[Future]) -> list:
         """Replies in call order; raises the first failure as soon as it happens."""
-        futures = [self._pool.submit(c.worker.endpoint.call, c.method, c.request, timeout_s) for c in calls]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for call, future in zip(calls, futures):
             if future in done and future.exception() is not None:

@@ -29,8 +29,9 @@ class Job:
     state: JobState = JobState.LOADING
     steps: int = 0
     error: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    """One step of a job at a time."""
+    next_seq: int = 1
+    """The client's number of the next step to dispatch: steps go out in the client's order."""
+    order: threading.Condition = field(default_factory=threading.Condition)
 
     def fail(self, reason: str) -> None:
         if self.state in (JobState.LOADING, JobState.READY):
@@ -38,25 +39,27 @@ class Job:
 
 
 class GangScheduler:
-    """Every worker runs the steps of the jobs placed on it in one order, the same on all of them.
+    """Every worker runs the ordered work of all jobs placed on it in one sequence, the same on
+    every worker of the island.
 
-    A step takes the turn of every worker it uses, in one global order of worker ids, so two jobs
-    sharing workers can never be interleaved differently on two of them (which would deadlock
-    their data-plane exchanges); jobs on disjoint workers run concurrently.
+    Each ordered call (LoadPlan, RunStep, GetState) gets the worker's next position; the positions
+    of one dispatch are taken together under one lock, so two jobs sharing workers are ordered the
+    same way on all of them (interleaving them differently on two workers would deadlock their
+    data-plane exchanges). Workers run calls strictly by position (runtime._turnstile), so the
+    controller can send step k+1 while step k still runs: dispatch is asynchronous.
     """
 
     def __init__(self):
-        self._turns: dict[str, threading.Lock] = {}
-        self._guard = threading.Lock()
-
-    def _turn(self, worker_id: str) -> threading.Lock:
-        with self._guard:
-            return self._turns.setdefault(worker_id, threading.Lock())
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def turn(self, worker_ids: list[str]):
-        locks = [self._turn(w) for w in sorted(set(worker_ids))]
-        with contextlib.ExitStack() as stack:
-            for lock in locks:
-                stack.enter_context(lock)
-            yield
+    def positions(self):
+        """Within the block, ``take(worker_id)`` hands out consecutive positions atomically."""
+        with self._lock:
+            yield self._take
+
+    def _take(self, worker_id: str) -> int:
+        seq = self._next.get(worker_id, 1)
+        self._next[worker_id] = seq + 1
+        return seq

@@ -18,7 +18,7 @@ from runtime._grpc import rpc_handler
 from runtime._rpc import atoll_pb2 as pb
 from runtime._rpc import atoll_pb2_grpc as pb_grpc
 from runtime._wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
-from runtime.errors import InvalidInput, JobFailed, NotEnoughWorkers, NotFound
+from runtime.errors import DeadlineExceeded, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 
 log = logging.getLogger("atoll.controller")
 
@@ -157,6 +157,13 @@ class ControllerService(pb_grpc.ControllerServicer):
             num_stages=topo.num_stages,
         )
 
+    def _dispatch_ordered(self, calls: list[Call], timeout_s: float):
+        """Give each call its worker's next gang position and send them all, without waiting."""
+        with self.gang.positions() as take:
+            for call in calls:
+                call.request.gang_seq = take(call.worker.worker_id)
+            return self.dispatcher.submit(calls, timeout_s)
+
     @rpc_handler
     def SubmitPipeline(self, request, context):
         compiled = compile_pipeline(self._decode(request))
@@ -170,8 +177,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                 w.jobs.add(job_id)
         calls = [Call(w, "LoadPlan", self._load_request(job_id, compiled, r)) for r, w in enumerate(workers)]
         try:
-            with self.gang.turn([w.worker_id for w in workers]):
-                self.dispatcher.all(calls, self.load_timeout_s)
+            self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
         except DispatchError as e:
             self._release(job, f"loading failed: {e}")
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
@@ -197,46 +203,69 @@ class ControllerService(pb_grpc.ControllerServicer):
         self._check_batch(req.target, request.targets)
         topo = job.compiled.topology
         first, last = topo.rank_of(0), topo.rank_of(topo.num_stages - 1)
-        calls = [
-            Call(
-                w,
-                "RunStep",
-                pb.RunStepRequest(
-                    job_id=job.job_id,
-                    step=job.steps,
-                    inputs=request.inputs if r == first else [],
-                    targets=request.targets if r == last else [],
-                ),
-            )
-            for r, w in enumerate(job.workers)
-        ]
-        with job.lock, self.gang.turn([w.worker_id for w in job.workers]):
-            job = self._ready_job(request.job_id)  # a worker may have died while we waited
+        with job.order:  # steps go out in the client's order, each as soon as its turn comes
+            seq = request.seq or job.next_seq
+            self._await_turn(job, seq)
             try:
-                replies = self.dispatcher.all(calls, self.step_timeout_s)
-            except DispatchError as e:
-                if e.code == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_dead(e.worker, f"unreachable during a step: {e.error}")
-                job.fail(f"step {job.steps} failed: {e}")
-                raise JobFailed(
-                    f"job {job.job_id} step {job.steps} failed; the job must be submitted again. Cause: {e}"
-                ) from None
+                job = self._ready_job(request.job_id)  # a worker may have died while this step waited
+                calls = [
+                    Call(
+                        w,
+                        "RunStep",
+                        pb.RunStepRequest(
+                            job_id=job.job_id,
+                            step=seq - 1,
+                            inputs=request.inputs if r == first else [],
+                            targets=request.targets if r == last else [],
+                        ),
+                    )
+                    for r, w in enumerate(job.workers)
+                ]
+                futures = self._dispatch_ordered(calls, self.step_timeout_s)
+            finally:
+                job.next_seq = seq + 1
+                job.order.notify_all()
+        try:  # waiting happens outside the order: the next step can be dispatched meanwhile
+            replies = self.dispatcher.gather(calls, futures)
+        except DispatchError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_dead(e.worker, f"unreachable during a step: {e.error}")
+            job.fail(f"step {seq} failed: {e}")
+            raise JobFailed(
+                f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {e}"
+            ) from None
+        with job.order:
             job.steps += 1
         losses = list(replies[last].microbatch_losses)
         memory = {str(r): json.loads(rep.memory_json or "{}") for r, rep in enumerate(replies)}
         return pb.StepReply(
-            loss=sum(losses) / len(losses), microbatch_losses=losses, step=job.steps, memory_json=json.dumps(memory)
+            loss=sum(losses) / len(losses), microbatch_losses=losses, step=seq, memory_json=json.dumps(memory)
         )
+
+    STEP_ORDER_TIMEOUT_S = 60.0
+
+    def _await_turn(self, job: Job, seq: int) -> None:
+        """Wait (holding ``job.order``) until step ``seq`` is the next to go out."""
+        if seq < job.next_seq:
+            raise InvalidInput(f"job {job.job_id}: step {seq} was already submitted (next is {job.next_seq})")
+        deadline = time.monotonic() + self.STEP_ORDER_TIMEOUT_S
+        while job.next_seq != seq:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"job {job.job_id}: step {seq} waited {self.STEP_ORDER_TIMEOUT_S:g}s "
+                    f"for step {job.next_seq}, which the client never sent"
+                )
+            job.order.wait(remaining)
 
     @rpc_handler
     def GetState(self, request, context):
         job = self._ready_job(request.job_id)
-        with job.lock:
-            replies = self.dispatcher.all(
-                [Call(w, "GetState", pb.JobRef(job_id=job.job_id)) for w in job.workers], 120.0
-            )
-        merged = [t for reply in replies for t in reply.tensors]
-        return pb.StateReply(tensors=merged)
+        calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in job.workers]
+        with job.order:  # after every step the client has sent so far
+            futures = self._dispatch_ordered(calls, self.step_timeout_s)
+        replies = self.dispatcher.gather(calls, futures)
+        return pb.StateReply(tensors=[t for reply in replies for t in reply.tensors])
 
     @rpc_handler
     def GetPlan(self, request, context):

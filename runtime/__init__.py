@@ -7,7 +7,7 @@ with runtime.LocalCluster(workers=4) as cluster, cluster.client() as client:
     loss = job.step(x, y)
 """
 
-from runtime.client import Client, Job, StepResult, connect
+from runtime.client import Client, Job, StepFuture, StepResult, connect
 from runtime.errors import (
     AtollError,
     DeadlineExceeded,
@@ -33,6 +33,7 @@ __all__ = [
     "NotEnoughWorkers",
     "NotFound",
     "Plan",
+    "StepFuture",
     "StepResult",
     "Unauthenticated",
     "WorkerUnavailable",

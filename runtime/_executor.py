@@ -110,6 +110,8 @@ class PipelineExecutor:
         self.buffer_bytes = sum(t.nbytes for bufs in self.slots.values() for t in bufs)
         self.optimizer_bytes = 0
         self.steps = 0
+        self.failure = ""
+        """Set when a step fails part-way: the state is undefined, later steps are refused."""
 
     # ------------------------------------------------------------------ load time
 
@@ -136,6 +138,8 @@ class PipelineExecutor:
     def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None):
         """Run the action list once; returns (per-microbatch losses, measured memory)."""
         with self._lock:
+            if self.failure:
+                raise ActionFailed(f"rank {self.rank}: an earlier step failed ({self.failure}); submit the job again")
             started = time.perf_counter()
             state = _StepState(self._split(inputs), self._split(targets))
             position, action = -1, None
@@ -148,6 +152,7 @@ class PipelineExecutor:
             except Exception as e:
                 where = f"rank {self.rank}, action #{position} '{action}'" if action else f"rank {self.rank}"
                 kind = "data plane" if isinstance(e, DataPlaneError) else type(e).__name__
+                self.failure = f"{where} failed ({kind})"
                 raise ActionFailed(f"{where} failed ({kind}): {e}") from e
             finally:
                 if self.optimizer is not None:

@@ -69,6 +69,19 @@ class Endpoint:
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {self.address}") from None
 
+    def future(self, method: str, request, timeout_s: float | None = None) -> grpc.Future:
+        """Start a call without waiting; ``resolve(future)`` gets its reply or atoll error."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        return getattr(self._stub, method).future(request, timeout=timeout, metadata=self._metadata)
+
+    def resolve(self, future: grpc.Future, method: str, timeout_s: float | None = None):
+        try:
+            return future.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise errors.DeadlineExceeded(f"{method} on {self.address}: no answer within {timeout_s}s") from None
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {self.address}") from None
+
     def close(self) -> None:
         self._channel.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,31 @@ class StepResult:
     """Per rank, the worker's measured accounting: peak bytes by category and peak stashed microbatches."""
 
 
+class StepFuture:
+    """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
+
+    def __init__(self, job: Job, future):
+        self._job = job
+        self._future = future
+        self._result: StepResult | None = None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def details(self, timeout_s: float | None = None) -> StepResult:
+        """The whole result: loss, microbatch losses, step number, per-rank measured memory."""
+        if self._result is None:
+            reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
+            memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
+            self._result = StepResult(reply.loss, tuple(reply.microbatch_losses), reply.step, memory)
+            if self._job.last is None or self._result.step > self._job.last.step:
+                self._job.last = self._result
+        return self._result
+
+    def result(self, timeout_s: float | None = None) -> float:
+        return self.details(timeout_s).loss
+
+
 class Job:
     """A pipeline loaded on the cluster: its plan, and its weights and optimizer state on the workers."""
 
@@ -36,24 +62,34 @@ class Job:
         self.id = job_id
         self.plan = plan
         self.last: StepResult | None = None
+        """The latest step whose result has been read."""
+        self._next_seq = 1
+        self._pending: list[StepFuture] = []
+        self._lock = threading.Lock()
+
+    def step_async(self, input, target) -> StepFuture:
+        """Send one training step and return at once. Steps run in the order they are sent;
+        sending the next before this one finishes hides the control plane's latency (the
+        controller dispatches it while the workers still run this one)."""
+        inputs = [tensor_to_pb(t) for t in as_leaves(input, "input")]
+        targets = [tensor_to_pb(t) for t in as_leaves(target, "target")]
+        with self._lock:
+            request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq)
+            self._next_seq += 1
+            future = StepFuture(self, self._client._endpoint.future("Step", request, self._client.step_timeout_s))
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+        return future
 
     def step(self, input, target) -> float:
         """One training step on a full batch; returns the mean microbatch loss."""
-        reply = self._client._call(
-            "Step",
-            pb.StepRequest(
-                job_id=self.id,
-                inputs=[tensor_to_pb(t) for t in as_leaves(input, "input")],
-                targets=[tensor_to_pb(t) for t in as_leaves(target, "target")],
-            ),
-            timeout_s=self._client.step_timeout_s,
-        )
-        memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
-        self.last = StepResult(reply.loss, tuple(reply.microbatch_losses), reply.step, memory)
-        return reply.loss
+        return self.step_async(input, target).result()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current weights, with the same keys as the submitted model's ``state_dict()``."""
+        """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.details()
         reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
         return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
 

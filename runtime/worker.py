@@ -22,6 +22,7 @@ from runtime._grpc import Endpoint, make_server, rpc_handler
 from runtime._rpc import atoll_pb2 as pb
 from runtime._rpc import atoll_pb2_grpc as pb_grpc
 from runtime._transport import DataPlaneError, GlooTransport
+from runtime._turnstile import Turnstile
 from runtime._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
 from runtime.errors import AtollError, InvalidInput, JobFailed, NotFound
 
@@ -35,6 +36,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.controller_host = controller_host
         self._jobs: dict[str, PipelineExecutor] = {}
         self._lock = threading.Lock()
+        self.turnstile = Turnstile()
 
     def _job(self, job_id: str) -> PipelineExecutor:
         with self._lock:
@@ -50,6 +52,10 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @rpc_handler
     def LoadPlan(self, request: pb.LoadPlanRequest, context):
+        with self.turnstile.turn(request.gang_seq):
+            return self._load(request)
+
+    def _load(self, request: pb.LoadPlanRequest) -> pb.LoadPlanReply:
         with self._lock:
             if request.job_id in self._jobs:
                 raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
@@ -115,21 +121,22 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @rpc_handler
     def RunStep(self, request: pb.RunStepRequest, context):
-        executor = self._job(request.job_id)
         inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
         targets = [tensor_from_pb(t, "target") for t in request.targets] or None
-        try:
-            losses, memory = executor.run_step(inputs, targets)
-        except Exception as e:
-            raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
+        with self.turnstile.turn(request.gang_seq):
+            executor = self._job(request.job_id)
+            try:
+                losses, memory = executor.run_step(inputs, targets)
+            except Exception as e:
+                raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         return pb.RunStepReply(microbatch_losses=losses, memory_json=json.dumps(memory))
 
     @rpc_handler
-    def GetState(self, request: pb.JobRef, context):
-        executor = self._job(request.job_id)
-        return pb.StateReply(
-            tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in executor.state_dict().items()]
-        )
+    def GetState(self, request: pb.GetStateRequest, context):
+        with self.turnstile.turn(request.gang_seq):
+            # serialized inside the turn: a queued step must not update weights mid-read
+            state = self._job(request.job_id).state_dict()
+            return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
 
     @rpc_handler
     def Unload(self, request: pb.JobRef, context):
@@ -181,6 +188,7 @@ class WorkerDaemon:
             ),
         )
         self.worker_id = reply.worker_id
+        self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
         log.info("registered as %s at %s", self.worker_id, self.address)
 

@@ -419,7 +419,7 @@ class WorkerStub:
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Worker/GetState',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+                request_serializer=runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
                 _registered_method=True)
         self.Unload = channel.unary_unary(
@@ -482,7 +482,7 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.FromString,
+                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.FromString,
                     response_serializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
             ),
             'Unload': grpc.unary_unary_rpc_method_handler(
@@ -575,7 +575,7 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/GetState',
-            runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+            runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
             runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
             options,
             channel_credentials,

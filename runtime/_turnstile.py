@@ -1,0 +1,75 @@
+"""The worker's side of gang scheduling: run the island's work in the controller's order.
+
+The controller numbers every ordered call it sends to a worker (1, 2, 3, ...), the same way for
+all workers of an island, and sends them as soon as it can (so step k+1 can be waiting while step
+k runs). The worker runs them strictly in that order. Waiting behind a call that has arrived has
+no deadline here (that call has its own); waiting for a number that has not arrived has one, after
+which that number is skipped (its sender died or gave up), so the island never stalls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from runtime.errors import InvalidInput
+
+
+class Turnstile:
+    def __init__(self, missing_timeout_s: float = 60.0):
+        self.missing_timeout_s = missing_timeout_s
+        self._cond = threading.Condition()
+        self._next = 1
+        self._present: set[int] = set()
+        self.skipped: list[int] = []
+
+    def reset(self) -> None:
+        """A new controller (re-registration) numbers from 1 again."""
+        with self._cond:
+            self._next = 1
+            self._cond.notify_all()
+
+    def _wait_for(self, seq: int) -> None:
+        deadline = None
+        while self._next != seq:
+            if self._next in self._present:  # the call ahead is here: it finishes or fails on its own
+                deadline = None
+                self._cond.wait()
+                continue
+            now = time.monotonic()
+            deadline = deadline or now + self.missing_timeout_s
+            if now >= deadline:
+                self.skipped.append(self._next)
+                self._next += 1
+                self._cond.notify_all()
+                deadline = None
+                continue
+            self._cond.wait(deadline - now)
+
+    @contextlib.contextmanager
+    def turn(self, seq: int):
+        """Hold the island's turn for ``seq``; seq 0 means unordered (runs at once, takes no turn)."""
+        if seq == 0:
+            yield
+            return
+        with self._cond:
+            if seq < self._next:
+                raise InvalidInput(
+                    f"gang position {seq} arrived after position {self._next - 1} ran "
+                    f"(it was skipped as missing, or sent twice)"
+                )
+            self._present.add(seq)
+            self._cond.notify_all()
+            try:
+                self._wait_for(seq)
+            except BaseException:
+                self._present.discard(seq)
+                raise
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._present.discard(seq)
+                self._next = seq + 1
+                self._cond.notify_all()

@@ -1,0 +1,80 @@
+"""Asynchronous dispatch (steps sent before the previous one finishes) and two jobs sharing workers."""
+
+import threading
+
+import torch
+
+from tests import models
+from tests.reference import assert_matches_reference, train_reference
+
+ADAMW = {"lr": 1e-3}
+
+
+def test_async_steps_match_the_reference(client4):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    job = client4.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=loss_fn,
+        stages=4,
+        microbatches=4,
+        schedule="1f1b",
+        optimizer="adamw",
+        optimizer_args=ADAMW,
+    )
+    try:
+        futures = [job.step_async(x, y) for x, y in batches]  # all sent before any finishes
+        state = job.state_dict()  # waits for every step sent so far
+        assert all(f.done() for f in futures)
+        losses = [f.result() for f in futures]
+        assert [f.details().step for f in futures] == [1, 2, 3, 4, 5]
+        assert job.last.step == 5
+    finally:
+        job.close()
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
+    assert_matches_reference(losses, state, ref_losses, ref_state)
+
+
+def test_two_jobs_on_the_same_workers_step_concurrently(client4):
+    jobs = []
+    for seed in (0, 1):
+        model, batches, loss_fn = models.mlp(seed)
+        x, y = batches[0]
+        job = client4.pipeline(
+            model,
+            example_input=x,
+            example_target=y,
+            loss_fn=loss_fn,
+            stages=4,
+            microbatches=4,
+            schedule="gpipe",
+            optimizer="adamw",
+            optimizer_args=ADAMW,
+        )
+        jobs.append((job, model, batches, loss_fn))
+    placements = [set(next(j for j in client4.status().jobs if j.job_id == job.id).workers) for job, *_ in jobs]
+    assert placements[0] == placements[1]  # 4 workers, 4 ranks each: they share every worker
+    results, errors = {}, []
+
+    def train(job, batches):
+        try:
+            futures = [job.step_async(x, y) for x, y in batches]
+            results[job.id] = ([f.result() for f in futures], job.state_dict())
+        except Exception as e:  # surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(job, batches)) for job, _, batches, _ in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for job, *_ in jobs:
+        job.close()
+    assert not errors and not any(t.is_alive() for t in threads)
+    for job, model, batches, loss_fn in jobs:
+        losses, state = results[job.id]
+        ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
+        assert_matches_reference(losses, state, ref_losses, ref_state)
+        assert not torch.equal(state["0.weight"], jobs[0][1].state_dict()["0.weight"])  # it trained

@@ -1,0 +1,57 @@
+"""The worker's gang order: calls run by position, whatever order they arrive in."""
+
+import threading
+import time
+
+import pytest
+
+from runtime._turnstile import Turnstile
+from runtime.errors import InvalidInput
+
+
+def run_all(turnstile, seqs, hold_s=0.0):
+    ran, lock = [], threading.Lock()
+
+    def call(seq):
+        with turnstile.turn(seq):
+            with lock:
+                ran.append(seq)
+            time.sleep(hold_s)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in seqs]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)  # arrive in the listed order
+    for t in threads:
+        t.join(10)
+    return ran
+
+
+def test_calls_run_in_position_order_not_arrival_order():
+    assert run_all(Turnstile(), [3, 1, 4, 2, 5]) == [1, 2, 3, 4, 5]
+
+
+def test_a_position_that_never_arrives_is_skipped_after_its_deadline():
+    turnstile = Turnstile(missing_timeout_s=0.3)
+    started = time.monotonic()
+    assert run_all(turnstile, [1, 3, 4]) == [1, 3, 4]
+    assert turnstile.skipped == [2]
+    assert time.monotonic() - started < 5
+    with pytest.raises(InvalidInput, match="gang position 2 arrived after position 4 ran"):
+        with turnstile.turn(2):
+            pass
+
+
+def test_waiting_behind_a_running_call_has_no_deadline():
+    turnstile = Turnstile(missing_timeout_s=0.1)
+    assert run_all(turnstile, [1, 2, 3], hold_s=0.3) == [1, 2, 3]  # each waits longer than 0.1 s
+    assert turnstile.skipped == []
+
+
+def test_unordered_calls_take_no_turn_and_reset_restarts_numbering():
+    turnstile = Turnstile()
+    with turnstile.turn(0):
+        pass
+    assert run_all(turnstile, [1, 2]) == [1, 2]
+    turnstile.reset()
+    assert run_all(turnstile, [1]) == [1]
