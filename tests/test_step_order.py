@@ -1,0 +1,56 @@
+"""The controller sends a job's steps in the client's numbering, and skips a number that never comes."""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from controller.service import ControllerService
+from runtime.errors import InvalidInput
+
+
+@dataclass
+class _Job:
+    job_id: str = "job0"
+    next_seq: int = 1
+    order: threading.Condition = field(default_factory=threading.Condition)
+
+
+@pytest.fixture()
+def service():
+    svc = ControllerService(token="t", store_port=0)
+    yield svc
+    svc.stop()
+
+
+def take_turns(service, job, seqs):
+    went = []
+
+    def send(seq):
+        with job.order:
+            service._await_turn(job, seq)
+            went.append(seq)
+            job.next_seq = seq + 1
+            job.order.notify_all()
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in seqs]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    return went
+
+
+def test_steps_go_out_in_the_clients_order(service):
+    assert take_turns(service, _Job(), [2, 3, 1]) == [1, 2, 3]
+
+
+def test_a_lost_step_number_is_skipped(service):
+    service.STEP_ORDER_TIMEOUT_S = 0.2
+    job = _Job()
+    assert take_turns(service, job, [1, 3]) == [1, 3]
+    with pytest.raises(InvalidInput, match="step 2 arrived after step 3 went out"):
+        with job.order:
+            service._await_turn(job, 2)
