@@ -23,7 +23,7 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def make_server(token: str, host: str, port: int, max_workers: int = 32) -> tuple[grpc.Server, int]:
+def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tuple[grpc.Server, int]:
     """A started-later server bound to host:port (port 0 picks a free one); returns the bound port."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),

@@ -38,6 +38,11 @@ def _serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int |
         os.replace(tmp, ready_file)
     stop.wait()
     daemon.stop()
+    # A request thread may still sit in a data-plane wait (bounded by its own deadline); the
+    # daemon is stopped, so exit now rather than join it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _controller(args) -> None:
@@ -159,10 +164,14 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    from runtime.errors import AtollError
+
     try:
         args.run(args)
     except KeyboardInterrupt:
         pass
+    except AtollError as e:
+        sys.exit(f"atoll {args.command}: {e}")
 
 
 if __name__ == "__main__":

@@ -73,12 +73,29 @@ class Job:
         controller dispatches it while the workers still run this one)."""
         inputs = [tensor_to_pb(t) for t in as_leaves(input, "input")]
         targets = [tensor_to_pb(t) for t in as_leaves(target, "target")]
+        self._wait_for_window()
         with self._lock:
             request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq)
             self._next_seq += 1
             future = StepFuture(self, self._client._endpoint.future("Step", request, self._client.step_timeout_s))
             self._pending = [f for f in self._pending if not f.done()] + [future]
         return future
+
+    # Steps in flight per job: enough to hide the control plane's latency; bounded so waiting
+    # steps never tie up every request thread of the controller.
+    MAX_IN_FLIGHT = 4
+
+    def _wait_for_window(self) -> None:
+        while True:
+            with self._lock:
+                self._pending = [f for f in self._pending if not f.done()]
+                oldest = self._pending[0] if len(self._pending) >= self.MAX_IN_FLIGHT else None
+            if oldest is None:
+                return
+            try:
+                oldest.details()
+            except Exception:  # its owner sees the error from its own future
+                pass
 
     def step(self, input, target) -> float:
         """One training step on a full batch; returns the mean microbatch loss."""

@@ -45,10 +45,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise NotFound(f"job {job_id!r} is not loaded on this worker")
         return executor
 
-    @property
-    def job_ids(self) -> list[str]:
+    def drop_all_jobs(self) -> None:
+        """Forget every job: a new controller does not know them, so nobody could close them."""
         with self._lock:
-            return sorted(self._jobs)
+            executors, self._jobs = list(self._jobs.values()), {}
+        for executor in executors:
+            executor.close()
 
     @rpc_handler
     def LoadPlan(self, request: pb.LoadPlanRequest, context):
@@ -187,6 +189,9 @@ class WorkerDaemon:
                 address=self.address, device=self.device, host=socket.gethostname(), pid=os.getpid(), gpu_uuid=gpu_uuid
             ),
         )
+        if self.worker_id:  # registering again: the controller restarted or declared us dead
+            log.warning("registering again as %s; dropping the jobs of %s", reply.worker_id, self.worker_id)
+            self.service.drop_all_jobs()
         self.worker_id = reply.worker_id
         self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
@@ -200,8 +205,8 @@ class WorkerDaemon:
                     continue
                 reply = self._controller.call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id), timeout_s=5.0)
                 if not reply.known:
-                    log.warning("controller forgot %s; registering again", self.worker_id)
-                    self.worker_id = ""
+                    log.warning("controller does not know %s; registering again", self.worker_id)
+                    self._register()
             except AtollError as e:
                 log.warning("heartbeat to %s failed: %s", self.controller_address, e)
 

@@ -115,3 +115,84 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
     assert "workers (2 alive)" in status.stdout
     assert status.stdout.count(" alive ") == 2
     assert job_id in status.stdout and "by-hand" in status.stdout and "steps=5" in status.stdout
+
+
+def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import runtime
+
+    token = tmp_path / "token"
+
+    def start_controller(port: int, name: str) -> str:
+        ready = tmp_path / f"{name}.ready"
+        daemons.append(
+            subprocess.Popen(
+                [
+                    *ATOLL,
+                    "controller",
+                    "--port",
+                    str(port),
+                    "--token-file",
+                    str(token),
+                    "--ready-file",
+                    str(ready),
+                    "--heartbeat-timeout",
+                    "3",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        )
+        return wait_for(ready, daemons[-1])
+
+    address = start_controller(0, "first")
+    daemons.append(
+        subprocess.Popen(
+            [
+                *ATOLL,
+                "worker",
+                "--controller",
+                address,
+                "--token-file",
+                str(token),
+                "--ready-file",
+                str(tmp_path / "w.ready"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    )
+    wait_for(tmp_path / "w.ready", daemons[-1])
+    first = daemons.pop(0)
+    stop([first])
+    assert first.returncode is not None
+
+    port = int(address.rsplit(":", 1)[1])  # the same address the worker knows
+    start_controller(port, "second")
+    client = runtime.connect(address, token_file=str(token))
+    deadline = time.monotonic() + 30
+    while not any(w.alive for w in client.status().workers):
+        assert time.monotonic() < deadline, "the worker did not register with the new controller"
+        time.sleep(0.2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    job = client.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=F.mse_loss,
+        stages=1,
+        microbatches=2,
+        optimizer="sgd",
+        optimizer_args={"lr": 0.1},
+    )
+    losses = [job.step(x, y) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    job.close()
+    client.close()
