@@ -93,14 +93,19 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     def _place(self, ranks: int) -> list[WorkerRecord]:
         live = self.registry.live()
-        if len(live) < ranks:
-            names = ", ".join(w.worker_id for w in live) or "none"
+        # The data plane is gloo between CPU workers; CUDA workers need the GPU transports
+        # (CUDA IPC, NCCL), which are not built yet, so they are never given work.
+        usable = [w for w in live if w.device == "cpu"]
+        if len(usable) < ranks:
+            names = ", ".join(w.worker_id for w in usable) or "none"
+            others = len(live) - len(usable)
+            cuda = f"; {others} live worker(s) have CUDA devices, which are not supported yet" if others else ""
             raise NotEnoughWorkers(
-                f"the program needs {ranks} workers (one per pipeline rank) but {len(live)} are alive ({names})"
+                f"the program needs {ranks} workers (one per pipeline rank) but {len(usable)} are alive ({names}){cuda}"
             )
         # least-loaded first; registration order breaks ties so placement is repeatable
-        live.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
-        return live[:ranks]
+        usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
+        return usable[:ranks]
 
     @staticmethod
     def _decode(request: pb.PipelineProgram) -> PipelineRequest:
