@@ -33,9 +33,12 @@ class Job:
     """The client's number of the next step to dispatch: steps go out in the client's order."""
     order: threading.Condition = field(default_factory=threading.Condition)
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> bool:
+        """Mark the job failed; False when it had already failed or was closed."""
         if self.state in (JobState.LOADING, JobState.READY):
             self.state, self.error = JobState.FAILED, reason
+            return True
+        return False
 
 
 class GangScheduler:

@@ -48,6 +48,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.dispatcher = Dispatcher()
         self.gang = GangScheduler()
         self._jobs: dict[str, Job] = {}
+        self._closed: set[str] = set()  # ids only: a closed job's plan and weights are dropped
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -56,7 +57,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def _worker_died(self, record: WorkerRecord) -> None:
         log.warning("%s is dead: %s", record.describe(), record.death)
         for job in self._jobs_of(record):
-            job.fail(f"{record.describe()} died: {record.death}")
+            self._fail(job, f"{record.describe()} died: {record.death}")
 
     def _jobs_of(self, record: WorkerRecord) -> list[Job]:
         with self._lock:
@@ -79,8 +80,9 @@ class ControllerService(pb_grpc.ControllerServicer):
     def _job(self, job_id: str) -> Job:
         with self._lock:
             job = self._jobs.get(job_id)
+            closed = job_id in self._closed
         if job is None:
-            raise NotFound(f"unknown job {job_id!r}")
+            raise NotFound(f"job {job_id!r} was closed" if closed else f"unknown job {job_id!r}")
         return job
 
     def _ready_job(self, job_id: str) -> Job:
@@ -184,7 +186,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         try:
             self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
         except DispatchError as e:
-            self._release(job, f"loading failed: {e}")
+            job.fail(f"loading failed: {e}")
+            self._release(job)
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
         job.state = JobState.READY
         log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
@@ -234,7 +237,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         except DispatchError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE:
                 self.registry.mark_dead(e.worker, f"unreachable during a step: {e.error}")
-            job.fail(f"step {seq} failed: {e}")
+            self._fail(job, f"step {seq} failed: {e}")
             raise JobFailed(
                 f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {e}"
             ) from None
@@ -279,21 +282,34 @@ class ControllerService(pb_grpc.ControllerServicer):
     def GetPlan(self, request, context):
         return pb.PlanReply(plan_json=json.dumps(self._job(request.job_id).report))
 
-    def _release(self, job: Job, reason: str = "") -> None:
+    def _release(self, job: Job) -> None:
+        """Unload the job from its live workers and wait for them to answer."""
         live = [w for w in job.workers if w.alive]
         self.dispatcher.each([Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live], 10.0)
         for w in job.workers:
             w.jobs.discard(job.job_id)
-        if reason:
-            job.fail(reason)
+
+    def _fail(self, job: Job, reason: str) -> None:
+        """Fail the job and free what it holds on its workers at once (nothing can use it any
+        more); its record and error stay for status until the client closes it."""
+        if job.fail(reason):
+            live = [w for w in job.workers if w.alive]
+            self.dispatcher.submit([Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live], 10.0)
+            for w in job.workers:
+                w.jobs.discard(job.job_id)
 
     @rpc_handler
     def CloseJob(self, request, context):
+        with self._lock:
+            if request.job_id in self._closed:
+                return pb.Empty()  # closing twice is fine
         job = self._job(request.job_id)
-        if job.state is JobState.CLOSED:
-            return pb.Empty()
-        self._release(job)
+        if job.state is not JobState.FAILED:  # a failed job was unloaded when it failed
+            self._release(job)
         job.state = JobState.CLOSED
+        with self._lock:
+            self._jobs.pop(job.job_id, None)
+            self._closed.add(job.job_id)
         return pb.Empty()
 
     @rpc_handler

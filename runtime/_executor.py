@@ -311,7 +311,7 @@ class PipelineExecutor:
             self._observe(state)
         if s == self.last_stage:
             torch.autograd.backward(outputs[0] / self.microbatches)
-        else:
+        elif self.stages[s].output.differentiable:  # an integer-only edge sends no gradient back
             grads = self._take_recv(Action(s, Kind.RECV_B, m), state)
             pairs = [
                 (outputs[i], g) for i, g in zip(self.stages[s].output.differentiable, grads) if outputs[i].requires_grad
@@ -338,10 +338,10 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for stage in self.stages.values():
-            out.update(stage.graph.state_dict())
-        return out
+        with self._lock:  # never mid-step
+            return {
+                k: v.detach().clone() for stage in self.stages.values() for k, v in stage.graph.state_dict().items()
+            }
 
     def close(self) -> None:
         if self.transport is not None:

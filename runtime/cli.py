@@ -67,10 +67,8 @@ def _worker(args) -> None:
     import torch
 
     from runtime._auth import resolve_token
-    from runtime._graphs import forbid_pickle
     from runtime.worker import WorkerDaemon
 
-    forbid_pickle(args.allow_pickle)
     if args.threads:
         torch.set_num_threads(args.threads)
     daemon = WorkerDaemon(
@@ -80,6 +78,7 @@ def _worker(args) -> None:
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
+        allow_pickle=args.allow_pickle,
     )
     _serve_until_stopped(
         daemon, args.ready_file, args.exit_with_parent, f"atoll worker ({args.device}) listening on {daemon.address}"

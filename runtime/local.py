@@ -18,6 +18,20 @@ from runtime.errors import WorkerUnavailable
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM each, wait up to ``timeout_s`` in all, SIGKILL whatever is left; reaps them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
 class LocalCluster:
     """Starts a controller and ``workers`` CPU workers with a fresh token; stops them all on exit.
 
@@ -162,17 +176,7 @@ class LocalCluster:
         return proc.pid
 
     def stop(self) -> None:
-        procs = [p for p in [*self.workers, self.controller] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes([p for p in [*self.workers, self.controller] if p is not None])
         for log in self._logs:
             log.close()
         self._logs.clear()

@@ -17,7 +17,7 @@ import torch
 
 from runtime._actions import Action
 from runtime._executor import PipelineExecutor, StageSetup
-from runtime._graphs import BlockGraph, StageGraph, deserialize
+from runtime._graphs import BlockGraph, StageGraph, deserialize, forbid_pickle
 from runtime._grpc import Endpoint, make_server, rpc_handler
 from runtime._rpc import atoll_pb2 as pb
 from runtime._rpc import atoll_pb2_grpc as pb_grpc
@@ -166,7 +166,9 @@ class WorkerDaemon:
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        allow_pickle: bool = False,
     ):
+        forbid_pickle(allow_pickle)
         self.controller_address = controller
         controller_host = controller.rsplit(":", 1)[0]
         self.service = WorkerService(device=device, host=advertise_host or host, controller_host=controller_host)

@@ -1,11 +1,8 @@
-"""Process bookkeeping for tests: find what the suite started, stop it by PID."""
+"""Process bookkeeping for tests: find what the suite started (stopping is runtime.local.stop_processes)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 
@@ -42,16 +39,3 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def stop(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)

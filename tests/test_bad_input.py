@@ -109,6 +109,20 @@ def test_unknown_job_id(client4, mlp_job):
     still_serving(*mlp_job)
 
 
+def test_closed_job(client4, mlp_job):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    job = client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
+    job.step(x, y)
+    job.close()
+    job.close()  # closing twice is fine
+    with pytest.raises(runtime.NotFound, match=f"job '{job.id}' was closed"):
+        job.step(x, y)
+    assert job.id not in [j.job_id for j in client4.status().jobs]
+    assert all(job.id not in w.jobs for w in client4.status().workers)
+    still_serving(*mlp_job)
+
+
 class _NotInOrder(nn.Module):
     """Children exist, but forward uses them in another order (and twice)."""
 

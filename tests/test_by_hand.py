@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import stop
+from runtime.local import stop_processes as stop
 
 ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "runtime.cli"]

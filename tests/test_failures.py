@@ -45,6 +45,7 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
             time.sleep(0.2)
         assert dead == {victim.worker_id}
         assert next(j for j in status.jobs if j.job_id == job.id).state == "failed"
+        assert all(job.id not in w.jobs for w in status.workers)  # unloaded from the survivor at once
         job.close()
 
         # the two live workers take a new job and train it
