@@ -257,8 +257,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         missing gang positions, so one lost request cannot stall the job."""
         if seq < job.next_seq:
             raise InvalidInput(
-                f"job {job.job_id}: step {seq} arrived after step {job.next_seq - 1} went out "
-                f"(it was skipped as missing, or sent twice)"
+                f"job {job.job_id}: step number {seq} is already used ({job.next_seq - 1} steps have gone out); "
+                f"another client may be stepping this job, or the step was sent twice or skipped as missing"
             )
         deadline = time.monotonic() + self.STEP_ORDER_TIMEOUT_S
         while job.next_seq != seq:
@@ -280,7 +280,9 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def GetPlan(self, request, context):
-        return pb.PlanReply(plan_json=json.dumps(self._job(request.job_id).report))
+        job = self._job(request.job_id)
+        with job.order:
+            return pb.PlanReply(plan_json=json.dumps(job.report), next_step=job.next_seq)
 
     def _release(self, job: Job) -> None:
         """Unload the job from its live workers and wait for them to answer."""

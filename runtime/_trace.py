@@ -72,8 +72,11 @@ def top_level_blocks(model: nn.Module, example_input) -> list[tuple[str, nn.Modu
     if isinstance(model, nn.Sequential):
         return blocks
     try:
-        with torch.no_grad():
+        # the same random stream for both runs, so dropout in training mode compares equal
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            state = torch.get_rng_state()
             expected = model(example_input)
+            torch.set_rng_state(state)
             x = example_input
             for _, block in blocks:
                 x = block(x)

@@ -24,7 +24,7 @@ class StepResult:
     """Mean of the per-microbatch losses."""
     microbatch_losses: tuple[float, ...]
     step: int
-    """Steps completed by the job so far, this one included."""
+    """The step's number: 1 for the job's first step, in the order steps were sent."""
     memory: dict[int, dict]
     """Per rank, the worker's measured accounting: peak bytes by category and peak stashed microbatches."""
 
@@ -57,13 +57,13 @@ class StepFuture:
 class Job:
     """A pipeline loaded on the cluster: its plan, and its weights and optimizer state on the workers."""
 
-    def __init__(self, client: Client, job_id: str, plan: Plan):
+    def __init__(self, client: Client, job_id: str, plan: Plan, next_step: int = 1):
         self._client = client
         self.id = job_id
         self.plan = plan
         self.last: StepResult | None = None
         """The latest step whose result has been read."""
-        self._next_seq = 1
+        self._next_seq = next_step
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
 
@@ -179,7 +179,7 @@ class Client:
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""
         reply = self._call("GetPlan", pb.JobRef(job_id=job_id))
-        return Job(self, job_id, Plan(json.loads(reply.plan_json)))
+        return Job(self, job_id, Plan(json.loads(reply.plan_json)), next_step=reply.next_step)
 
     def status(self) -> ClusterStatus:
         reply = self._call("Status", pb.Empty())

@@ -87,6 +87,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         store = request.store_address
         if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
             store = f"{self.controller_host}{store}"
+        timeout_s = request.timeout_s or 60.0
         transport = None
         if request.world_size > 1:
             try:
@@ -96,26 +97,31 @@ class WorkerService(pb_grpc.WorkerServicer):
                     rank=request.rank,
                     world_size=request.world_size,
                     hostname=self.host,
-                    timeout_s=request.timeout_s,
+                    timeout_s=timeout_s,
                 )
             except DataPlaneError as e:
                 raise JobFailed(str(e)) from None
-        executor = PipelineExecutor(
-            rank=request.rank,
-            stages=stages,
-            loss=loss,
-            num_stages=request.num_stages,
-            stage_ranks=list(request.stage_ranks),
-            microbatches=request.microbatches,
-            actions=actions,
-            recv_slots=recv_slots,
-            optimizer=request.optimizer,
-            optimizer_args=json.loads(request.optimizer_args_json or "{}"),
-            rematerialize=request.rematerialize,
-            transport=transport,
-            timeout_s=request.timeout_s,
-            device=self.device,
-        )
+        try:
+            executor = PipelineExecutor(
+                rank=request.rank,
+                stages=stages,
+                loss=loss,
+                num_stages=request.num_stages,
+                stage_ranks=list(request.stage_ranks),
+                microbatches=request.microbatches,
+                actions=actions,
+                recv_slots=recv_slots,
+                optimizer=request.optimizer,
+                optimizer_args=json.loads(request.optimizer_args_json or "{}"),
+                rematerialize=request.rematerialize,
+                transport=transport,
+                timeout_s=timeout_s,
+                device=self.device,
+            )
+        except Exception:
+            if transport is not None:
+                transport.close()
+            raise
         with self._lock:
             self._jobs[request.job_id] = executor
         log.info("loaded job %s as rank %d (%d actions)", request.job_id, request.rank, len(actions))

@@ -2,8 +2,10 @@
 
 import threading
 
+import pytest
 import torch
 
+import runtime
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 
@@ -78,3 +80,23 @@ def test_two_jobs_on_the_same_workers_step_concurrently(client4):
         ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
         assert_matches_reference(losses, state, ref_losses, ref_state)
         assert not torch.equal(state["0.weight"], jobs[0][1].state_dict()["0.weight"])  # it trained
+
+
+def test_a_second_client_attaches_to_a_running_job(cluster4, client4):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    job = client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
+    try:
+        first = [job.step(x, y) for _ in range(3)]
+        with cluster4.client() as other:
+            attached = other.job(job.id)
+            assert attached.plan.report == job.plan.report
+            later = attached.step(x, y)
+            assert attached.last.step == 4
+        assert later < first[0]
+        # the first client's numbering is now stale: its next step is refused, not reordered
+        with pytest.raises(runtime.InvalidInput, match=r"step number 4 is already used \(4 steps have gone out\)"):
+            job.step(x, y)
+        assert client4.job(job.id).step(x, y) < first[0]  # attaching again picks up the numbering
+    finally:
+        job.close()
