@@ -14,6 +14,7 @@ from controller.compiler import CompiledPipeline, PipelineRequest, compile_pipel
 from controller.dispatch import Call, Dispatcher, DispatchError
 from controller.jobs import GangScheduler, Job, JobState
 from controller.registry import Registry, WorkerRecord
+from controller.transports import edge_transports
 from runtime._grpc import rpc_handler
 from runtime._rpc import atoll_pb2 as pb
 from runtime._rpc import atoll_pb2_grpc as pb_grpc
@@ -178,6 +179,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             workers = self._place(compiled.topology.ranks)
             job_id = f"job{next(self._job_ids)}"
             report = compiled.report({r: f"{w.worker_id} {w.address}" for r, w in enumerate(workers)})
+            report["edges"] = edge_transports(compiled.topology.stage_ranks, workers)
             job = Job(job_id=job_id, name=request.name or job_id, compiled=compiled, workers=workers, report=report)
             self._jobs[job_id] = job
             for w in workers:

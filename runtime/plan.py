@@ -51,6 +51,12 @@ class Plan:
                 f"{s['input']} -> {s['output']}  {s['forward_flops'] / 1e6:.1f} MFLOP fwd, "
                 f"params {_mib(s['parameter_bytes'])} MiB, stash/mb {stash} MiB"
             )
+        if r.get("edges"):  # present once the plan is placed on workers
+            hops = [
+                f"{e['edge']}->{e['edge'] + 1} rank {e['from_rank']}->{e['to_rank']} {e['transport']}"
+                for e in r["edges"]
+            ]
+            lines.append("  edges: " + ", ".join(hops))
         lines.append(
             f"predicted bubble fraction {r['predicted_bubble_fraction']:.3f} (F=1, B=2 time units); '.' marks a bubble:"
         )
