@@ -36,3 +36,11 @@ def transformer(seed: int = 0, layers: int = 4) -> tuple[nn.Module, list, callab
         (torch.randint(0, 24, (16, 16), generator=g), torch.randint(0, 24, (16, 16), generator=g)) for _ in range(5)
     ]
     return model, batches, lm_loss
+
+
+def submit(client, make=mlp, seed: int = 0, **pipeline_args):
+    """Build a test model and submit it as a pipeline; returns (job, model, batches, loss_fn)."""
+    model, batches, loss_fn = make(seed)
+    x, y = batches[0]
+    job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, **pipeline_args)
+    return job, model, batches, loss_fn

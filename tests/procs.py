@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -39,3 +41,13 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
+    """The contents of a daemon's ready file, failing early if the daemon exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} not written in {timeout_s}s"
+        time.sleep(0.05)
+    return path.read_text().strip()

@@ -13,18 +13,8 @@ ADAMW = {"lr": 1e-3}
 
 
 def test_async_steps_match_the_reference(client4):
-    model, batches, loss_fn = models.mlp()
-    x, y = batches[0]
-    job = client4.pipeline(
-        model,
-        example_input=x,
-        example_target=y,
-        loss_fn=loss_fn,
-        stages=4,
-        microbatches=4,
-        schedule="1f1b",
-        optimizer="adamw",
-        optimizer_args=ADAMW,
+    job, model, batches, loss_fn = models.submit(
+        client4, stages=4, microbatches=4, schedule="1f1b", optimizer="adamw", optimizer_args=ADAMW
     )
     try:
         futures = [job.step_async(x, y) for x, y in batches]  # all sent before any finishes
@@ -40,22 +30,10 @@ def test_async_steps_match_the_reference(client4):
 
 
 def test_two_jobs_on_the_same_workers_step_concurrently(client4):
-    jobs = []
-    for seed in (0, 1):
-        model, batches, loss_fn = models.mlp(seed)
-        x, y = batches[0]
-        job = client4.pipeline(
-            model,
-            example_input=x,
-            example_target=y,
-            loss_fn=loss_fn,
-            stages=4,
-            microbatches=4,
-            schedule="gpipe",
-            optimizer="adamw",
-            optimizer_args=ADAMW,
-        )
-        jobs.append((job, model, batches, loss_fn))
+    jobs = [
+        models.submit(client4, seed=seed, stages=4, microbatches=4, optimizer="adamw", optimizer_args=ADAMW)
+        for seed in (0, 1)
+    ]
     placements = [set(next(j for j in client4.status().jobs if j.job_id == job.id).workers) for job, *_ in jobs]
     assert placements[0] == placements[1]  # 4 workers, 4 ranks each: they share every worker
     results, errors = {}, []
@@ -83,9 +61,8 @@ def test_two_jobs_on_the_same_workers_step_concurrently(client4):
 
 
 def test_a_second_client_attaches_to_a_running_job(cluster4, client4):
-    model, batches, loss_fn = models.mlp()
+    job, _, batches, _ = models.submit(client4, stages=2, microbatches=2)
     x, y = batches[0]
-    job = client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
     try:
         first = [job.step(x, y) for _ in range(3)]
         with cluster4.client() as other:

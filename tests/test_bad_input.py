@@ -19,20 +19,9 @@ from tests import models
 
 @pytest.fixture(scope="module")
 def mlp_job(cluster4):
-    model, batches, loss_fn = models.mlp()
-    x, y = batches[0]
     with cluster4.client() as client:
-        job = client.pipeline(
-            model,
-            example_input=x,
-            example_target=y,
-            loss_fn=loss_fn,
-            stages=4,
-            microbatches=4,
-            optimizer="sgd",
-            optimizer_args={"lr": 0.01},
-        )
-        yield job, x, y
+        job, _, batches, _ = models.submit(client, stages=4, microbatches=4, optimizer_args={"lr": 0.01})
+        yield job, *batches[0]
         job.close()
 
 
@@ -94,10 +83,8 @@ def test_workers_also_require_the_token(cluster4):
 
 
 def test_more_stages_than_live_workers(client4, mlp_job):
-    model, batches, loss_fn = models.mlp()
-    x, y = batches[0]
     with pytest.raises(runtime.NotEnoughWorkers, match=r"needs 5 workers .* but 4 are alive"):
-        client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=5, microbatches=4)
+        models.submit(client4, stages=5, microbatches=4)
     still_serving(*mlp_job)
 
 
@@ -110,9 +97,8 @@ def test_unknown_job_id(client4, mlp_job):
 
 
 def test_closed_job(client4, mlp_job):
-    model, batches, loss_fn = models.mlp()
+    job, _, batches, _ = models.submit(client4, stages=2, microbatches=2)
     x, y = batches[0]
-    job = client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
     job.step(x, y)
     job.close()
     job.close()  # closing twice is fine
@@ -145,12 +131,8 @@ def test_model_that_cannot_be_split(client4, mlp_job):
 
 
 def test_bad_arguments_are_refused_by_name(client4, mlp_job):
-    model, batches, loss_fn = models.mlp()
-    x, y = batches[0]
-
     def submit(**kw):
-        args = {"stages": 2, "microbatches": 4, **kw}
-        return client4.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, **args)
+        return models.submit(client4, **{"stages": 2, "microbatches": 4, **kw})
 
     with pytest.raises(runtime.InvalidInput, match="unknown schedule 'zigzag'"):
         submit(schedule="zigzag")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from runtime.local import stop_processes as stop
+from tests.procs import wait_for_file
 
 ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "runtime.cli"]
@@ -27,16 +28,6 @@ CLIENT_SCRIPT = textwrap.dedent("""
     print("losses", " ".join(f"{l:.5f}" for l in losses))
     print("job", job.id)
 """)
-
-
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return path.read_text().strip()
-        assert proc.poll() is None, f"{proc.args} exited early with {proc.returncode}"
-        time.sleep(0.05)
-    pytest.fail(f"{path} not written in {timeout_s}s")
 
 
 @pytest.fixture()
@@ -66,7 +57,7 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
             cwd=ROOT,
         )
     )
-    address = wait_for(tmp_path / "c.ready", daemons[0])
+    address = wait_for_file(tmp_path / "c.ready", daemons[0])
     assert f"listening on {address}" in (tmp_path / "controller.log").read_text()
     assert token.stat().st_mode & 0o777 == 0o600
     for i in range(2):
@@ -90,7 +81,7 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
             )
         )
     for i in range(2):
-        wait_for(tmp_path / f"w{i}.ready", daemons[1 + i])
+        wait_for_file(tmp_path / f"w{i}.ready", daemons[1 + i])
 
     client = subprocess.run(
         [sys.executable, "-c", CLIENT_SCRIPT, address, str(token)],
@@ -147,7 +138,7 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
                 cwd=ROOT,
             )
         )
-        return wait_for(ready, daemons[-1])
+        return wait_for_file(ready, daemons[-1])
 
     address = start_controller(0, "first")
     daemons.append(
@@ -167,7 +158,7 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
             cwd=ROOT,
         )
     )
-    wait_for(tmp_path / "w.ready", daemons[-1])
+    wait_for_file(tmp_path / "w.ready", daemons[-1])
     first = daemons.pop(0)
     stop([first])
     assert first.returncode is not None

@@ -8,13 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import runtime
 from runtime.local import stop_processes
+from tests.procs import wait_for_file
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = f"at{os.getpid() % 100000}"  # unique per test run: namespaces are system-wide
@@ -60,15 +60,6 @@ def hosts():
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=30)
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} not written in {timeout_s}s"
-        time.sleep(0.05)
-    return path.read_text().strip()
-
-
 def test_controller_and_workers_on_three_hosts(hosts, tmp_path):
     import torch
     import torch.nn.functional as F
@@ -90,7 +81,7 @@ def test_controller_and_workers_on_three_hosts(hosts, tmp_path):
         procs.append(proc)
         return proc
 
-    wait_for(
+    wait_for_file(
         tmp_path / "c",
         spawn(controller_ns, "controller", "--host", "0.0.0.0", "--port", "0", "--token-file", str(token), name="c"),
     )
@@ -110,7 +101,7 @@ def test_controller_and_workers_on_three_hosts(hosts, tmp_path):
             str(token),
             name=f"w{i}",
         )
-        assert wait_for(tmp_path / f"w{i}", proc).startswith(f"{ip}:")
+        assert wait_for_file(tmp_path / f"w{i}", proc).startswith(f"{ip}:")
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))

