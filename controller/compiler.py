@@ -1,6 +1,6 @@
 """The compiler: a submitted pipeline program -> a plan that is known in full before it runs.
 
-Passes, in order: analyze blocks (specs, cost on meta) -> check the chain of edges -> partition
+Passes, in order: analyze blocks (specs, cost on fake tensors) -> check the chain of edges -> partition
 into stages by cost -> build the schedule (data) -> lower it (SEND/RECV, receive slots) ->
 simulate it (deadlocks, timeline) -> predict each worker's peak memory.
 """

@@ -1,6 +1,6 @@
 """Byte accounting of what a worker holds, by category.
 
-The same counter runs on real tensors (the worker's measurement) and on meta tensors (the
+The same counter runs on real tensors (the worker's measurement) and on fake tensors (the
 compiler's prediction), so the two differ only where real execution differs from the plan.
 Stashed activations are the storages autograd saves for backward, found with saved-tensor
 hooks; parameters and receive buffers are excluded there and counted in their own category.
