@@ -36,10 +36,6 @@ class Dispatcher:
         """Send every call now, each from its own thread; returns at once."""
         return [self._pool.submit(c.worker.endpoint.call, c.method, c.request, timeout_s) for c in calls]
 
-    def all(self, calls: list[Call], timeout_s: float) -> list:
-        """Send and wait: replies in call order."""
-        return self.gather(calls, self.submit(calls, timeout_s))
-
     @staticmethod
     def gather(calls: list[Call], futures: list[Future]) -> list:
         """Replies in call order; raises the first failure as soon as it happens."""

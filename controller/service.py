@@ -189,7 +189,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
         except DispatchError as e:
             job.fail(f"loading failed: {e}")
-            self._release(job)
+            self._unload(job, wait=True)
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
         job.state = JobState.READY
         log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
@@ -286,10 +286,15 @@ class ControllerService(pb_grpc.ControllerServicer):
         with job.order:
             return pb.PlanReply(plan_json=json.dumps(job.report), next_step=job.next_seq)
 
-    def _release(self, job: Job) -> None:
-        """Unload the job from its live workers and wait for them to answer."""
+    def _unload(self, job: Job, wait: bool) -> None:
+        """Unload the job from its live workers (waiting for their answers, or not) and stop
+        counting it in their load."""
         live = [w for w in job.workers if w.alive]
-        self.dispatcher.each([Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live], 10.0)
+        calls = [Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live]
+        if wait:
+            self.dispatcher.each(calls, 10.0)
+        else:
+            self.dispatcher.submit(calls, 10.0)
         for w in job.workers:
             w.jobs.discard(job.job_id)
 
@@ -297,10 +302,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         """Fail the job and free what it holds on its workers at once (nothing can use it any
         more); its record and error stay for status until the client closes it."""
         if job.fail(reason):
-            live = [w for w in job.workers if w.alive]
-            self.dispatcher.submit([Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live], 10.0)
-            for w in job.workers:
-                w.jobs.discard(job.job_id)
+            self._unload(job, wait=False)
 
     @rpc_handler
     def CloseJob(self, request, context):
@@ -309,7 +311,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                 return pb.Empty()  # closing twice is fine
         job = self._job(request.job_id)
         if job.state is not JobState.FAILED:  # a failed job was unloaded when it failed
-            self._release(job)
+            self._unload(job, wait=True)
         job.state = JobState.CLOSED
         with self._lock:
             self._jobs.pop(job.job_id, None)

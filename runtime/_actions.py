@@ -23,8 +23,6 @@ class Kind(str, enum.Enum):
 
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
-SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
-RECVS = frozenset({Kind.RECV_F, Kind.RECV_B})
 
 # Longest alternatives first so "SEND_F" is not read as "S" + garbage.
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|STEP|F|B)(\d*)$")

@@ -109,7 +109,6 @@ class PipelineExecutor:
         self.parameter_bytes = storage_bytes(self.params)
         self.buffer_bytes = sum(t.nbytes for bufs in self.slots.values() for t in bufs)
         self.optimizer_bytes = 0
-        self.steps = 0
         self.failure = ""
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
 
@@ -159,7 +158,6 @@ class PipelineExecutor:
                     self.optimizer.zero_grad(set_to_none=True)
                 state.stash.clear()
                 state.pending_recvs.clear()
-            self.steps += 1
             losses = [state.losses[m] for m in sorted(state.losses)]
             wall = time.perf_counter() - started
             return losses, {

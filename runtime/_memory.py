@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
-
 
 def _storage(t: torch.Tensor):
     # A view resolves to its base (``_base`` is always the root, never another view): a fake
