@@ -24,6 +24,30 @@ from runtime.errors import InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 log = logging.getLogger("atoll.controller")
 
 
+def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
+    """The compiler's view of a submitted program (also used by `atoll plan`, in-process)."""
+    try:
+        args = json.loads(request.optimizer_args_json or "{}")
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"optimizer_args_json is not JSON: {e}") from None
+    return PipelineRequest(
+        blocks=[(b.name, b.exported_program) for b in request.blocks],
+        loss=request.loss_program,
+        ranks=request.stages,
+        microbatches=request.microbatches,
+        input=spec_from_pb(request.input),
+        target=spec_from_pb(request.target),
+        schedule=request.schedule or "gpipe",
+        virtual_stages=request.virtual_stages or 1,
+        optimizer=request.optimizer or "sgd",
+        optimizer_args=args,
+        split_points=list(request.split_points),
+        rematerialize=request.rematerialize,
+        name=request.name,
+        data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
+    )
+
+
 class ControllerService(pb_grpc.ControllerServicer):
     def __init__(
         self,
@@ -110,29 +134,6 @@ class ControllerService(pb_grpc.ControllerServicer):
         usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         return usable[:ranks]
 
-    @staticmethod
-    def _decode(request: pb.PipelineProgram) -> PipelineRequest:
-        try:
-            args = json.loads(request.optimizer_args_json or "{}")
-        except json.JSONDecodeError as e:
-            raise InvalidInput(f"optimizer_args_json is not JSON: {e}") from None
-        return PipelineRequest(
-            blocks=[(b.name, b.exported_program) for b in request.blocks],
-            loss=request.loss_program,
-            ranks=request.stages,
-            microbatches=request.microbatches,
-            input=spec_from_pb(request.input),
-            target=spec_from_pb(request.target),
-            schedule=request.schedule or "gpipe",
-            virtual_stages=request.virtual_stages or 1,
-            optimizer=request.optimizer or "sgd",
-            optimizer_args=args,
-            split_points=list(request.split_points),
-            rematerialize=request.rematerialize,
-            name=request.name,
-            data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
-        )
-
     def _load_request(self, job_id: str, compiled: CompiledPipeline, rank: int) -> pb.LoadPlanRequest:
         topo, low = compiled.topology, compiled.lowered
         stages = [
@@ -174,7 +175,7 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def SubmitPipeline(self, request, context):
-        compiled = compile_pipeline(self._decode(request))
+        compiled = compile_pipeline(decode_program(request))
         with self._lock:  # placement and bookkeeping are one decision
             workers = self._place(compiled.topology.ranks)
             job_id = f"job{next(self._job_ids)}"

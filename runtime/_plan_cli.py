@@ -3,7 +3,9 @@
 The model file is the user's own Python, run locally; it defines ``build()`` returning the
 keyword arguments of ``Client.pipeline`` (model, example_input, example_target, loss_fn, stages,
 microbatches, and optionally schedule, virtual_stages, optimizer, optimizer_args, split_points,
-rematerialize). Command-line flags override them.
+rematerialize). Command-line flags override them. The program goes through the same client code
+and the same controller decoder and compiler as a real submission, so the plan is the one a
+cluster would compile (less the placement).
 """
 
 from __future__ import annotations
@@ -11,12 +13,27 @@ from __future__ import annotations
 import json
 import runpy
 
-from controller.compiler import PipelineRequest, compile_pipeline
-from runtime._trace import trace_pipeline
+from controller.compiler import compile_pipeline
+from controller.service import decode_program
+from runtime._rpc import atoll_pb2 as pb
+from runtime.client import Client
 from runtime.errors import InvalidInput
 from runtime.plan import Plan
 
 _OVERRIDES = ("stages", "microbatches", "schedule", "virtual_stages")
+
+
+class _PlanOnlyClient(Client):
+    """Answers SubmitPipeline by compiling in this process; there is no controller to call."""
+
+    def __init__(self):
+        self.address = "in-process"
+        self.step_timeout_s = 0.0
+
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        assert method == "SubmitPipeline", method
+        compiled = compile_pipeline(decode_program(request))
+        return pb.SubmitReply(job_id="", plan_json=json.dumps(compiled.report()))
 
 
 def build_plan(model_file: str, **overrides) -> Plan:
@@ -25,29 +42,14 @@ def build_plan(model_file: str, **overrides) -> Plan:
         raise InvalidInput(f"{model_file} defines no build() returning the arguments of Client.pipeline")
     spec = dict(namespace["build"]())
     spec.update({k: v for k, v in overrides.items() if v is not None and v is not False})
-    for key in ("model", "example_input", "example_target", "loss_fn", "stages", "microbatches"):
-        if key not in spec:
-            raise InvalidInput(f"build() in {model_file} must return '{key}'")
-    traced = trace_pipeline(
-        spec["model"], spec["example_input"], spec["example_target"], spec["loss_fn"], spec["microbatches"]
-    )
-    compiled = compile_pipeline(
-        PipelineRequest(
-            blocks=traced.blocks,
-            loss=traced.loss,
-            ranks=spec["stages"],
-            microbatches=spec["microbatches"],
-            input=traced.input,
-            target=traced.target,
-            schedule=spec.get("schedule", "gpipe"),
-            virtual_stages=spec.get("virtual_stages", 1),
-            optimizer=spec.get("optimizer", "sgd"),
-            optimizer_args=spec.get("optimizer_args", {}),
-            split_points=spec.get("split_points", []),
-            rematerialize=spec.get("rematerialize", False),
-        )
-    )
-    return Plan(compiled.report())
+    try:
+        model = spec.pop("model")
+    except KeyError:
+        raise InvalidInput(f"build() in {model_file} must return 'model'") from None
+    try:
+        return _PlanOnlyClient().pipeline(model, **spec).plan
+    except TypeError as e:  # a missing or unknown argument of Client.pipeline
+        raise InvalidInput(f"build() in {model_file} returned arguments Client.pipeline does not take: {e}") from None
 
 
 def print_plan(args) -> None:
