@@ -104,8 +104,10 @@ class PipelineExecutor:
         self.optimizer = build_optimizer(optimizer, self.params, optimizer_args) if self.params else None
         self.recv_slots = recv_slots
         self.slots = self._allocate_slots(recv_slots)
-        self._param_keys = {storage_key(p) for p in self.params}
-        self._slot_keys = {storage_key(t) for bufs in self.slots.values() for t in bufs}
+        # storages counted in their own categories, never as stashed activations
+        self._not_activations = {storage_key(t) for t in self.params} | {
+            storage_key(t) for bufs in self.slots.values() for t in bufs
+        }
         self.parameter_bytes = storage_bytes(self.params)
         self.buffer_bytes = sum(t.nbytes for bufs in self.slots.values() for t in bufs)
         self.optimizer_bytes = 0
@@ -275,7 +277,7 @@ class PipelineExecutor:
         if (s, m) in state.stash:
             raise RuntimeError(f"{action} computed twice")
         inputs = self._stage_inputs(action, state)
-        counter = SavedTensors(self._param_keys | self._slot_keys)
+        counter = SavedTensors(self._not_activations)
         if self.rematerialize:
             # keep only the inputs; backward recomputes the forward (GPipe re-materialization)
             with torch.no_grad():
@@ -299,7 +301,7 @@ class PipelineExecutor:
             raise RuntimeError(f"{action} before {s}F{m}")
         outputs, recomputed = stash.outputs, 0
         if self.rematerialize:
-            counter = SavedTensors(self._param_keys | self._slot_keys)
+            counter = SavedTensors(self._not_activations)
             with counter:
                 outputs = self._run_stage(s, m, stash.inputs, state)
             counter.add(outputs)

@@ -78,7 +78,7 @@ class Job:
             request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq)
             self._next_seq += 1
             future = StepFuture(self, self._client._endpoint.future("Step", request, self._client.step_timeout_s))
-            self._pending = [f for f in self._pending if not f.done()] + [future]
+            self._pending.append(future)  # _wait_for_window just dropped the finished ones
         return future
 
     # Steps in flight per job: enough to hide the control plane's latency; bounded so waiting
