@@ -2,8 +2,9 @@
 
     python bench/pipeline.py                      # GPipe, 1F1B, interleaved 1F1B on CPU/gloo
     python bench/pipeline.py --schedules gpipe --steps 20
+    python bench/pipeline.py --device cuda        # 4 workers on one GPU vs one process on it
 
-Both sides train the same GPT-style model (examples/gpt.py) from the same initial weights, with
+On CPU, both sides train the same GPT-style model (examples/gpt.py) from the same initial weights, with
 the same stage boundaries (atoll's cost-balanced partition, reused for torch), the same
 microbatches, the same number of processes (one per pipeline rank, gloo between them) and the
 same intra-op threads per process.
@@ -14,11 +15,17 @@ gives per-round ratios and their median. Prints one JSON object; ratio = atoll /
 second (above 1 means atoll is faster). atoll is measured twice per round: with ``job.step``
 (each step waits for the previous) and with ``job.step_async`` (a round's steps are all sent
 before waiting, as a Pathways client would). Nothing here asserts on time.
+
+With ``--device cuda`` the peer is the same model trained in one process on the same GPU (same
+microbatches, optimizer and batches; no pipeline, so no bubble): ratio = atoll / single process.
+The atoll workers all share that GPU and talk over CUDA IPC. The report adds each rank's measured
+waiting fraction (time blocked on the data plane over the step's wall time).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -34,7 +41,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import runtime  # noqa: E402
+import atoll  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -43,8 +50,14 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 def make_setup(args):
     torch.manual_seed(0)
     corpus = CharCorpus()
-    cfg = GPTConfig(vocab_size=corpus.vocab_size, n_layers=args.layers, d_model=args.d_model)
-    model = build_gpt(cfg)
+    cfg = GPTConfig(
+        vocab_size=corpus.vocab_size,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        block_size=args.block_size,
+    )
+    model = build_gpt(cfg).to(getattr(torch, args.dtype))
     g = torch.Generator().manual_seed(0)
     batches = [corpus.batch(args.batch, cfg.block_size, g) for _ in range(16)]
     return model, batches
@@ -64,6 +77,7 @@ class AtollSide:
             virtual_stages=virtual,
             optimizer="sgd",
             optimizer_args={"lr": 0.01},
+            device=args.device,
         )
         self.batches, self.args, self.next = batches, args, 0
         self.stage_blocks = [[int(b) for b in s["blocks"]] for s in self.job.plan.report["stages"]]
@@ -176,6 +190,35 @@ class TorchSide:
                 p.join()
 
 
+class SingleGpuSide:
+    """The same model, batches, microbatching and optimizer, trained in this process on the GPU."""
+
+    def __init__(self, model, batches, args):
+        self.model = copy.deepcopy(model).cuda()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.batches = [(x.cuda(), y.cuda()) for x, y in batches]
+        self.microbatches, self.next = args.microbatches, 0
+        self.run(args.warmup)
+
+    def run(self, steps: int) -> tuple[float, float]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            x, y = self.batches[self.next % len(self.batches)]
+            self.next += 1
+            chunks = zip(x.chunk(self.microbatches), y.chunk(self.microbatches))
+            loss = sum(lm_loss(self.model(xm), ym) for xm, ym in chunks) / self.microbatches
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        last = float(loss.detach())
+        torch.cuda.synchronize()
+        return steps / (time.perf_counter() - start), last
+
+    def close(self) -> None:
+        pass
+
+
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -183,40 +226,52 @@ def median(values: list[float]) -> float:
 
 
 def compare(client, model, batches, args, schedule: str) -> dict:
+    """atoll and its peer in alternating rounds: torch.distributed.pipelining on CPU, the same
+    model in one process on the GPU."""
     virtual = args.virtual_stages if schedule == "interleaved_1f1b" else 1
     atoll = AtollSide(client, model, batches, args, schedule, virtual)
-    torch_side = TorchSide(args, schedule, virtual, atoll.stage_blocks)
+    if args.device == "cuda":
+        peer, name, steps_key = SingleGpuSide(model, batches, args), "single_gpu", "single_gpu_steps_per_s"
+    else:
+        peer = TorchSide(args, schedule, virtual, atoll.stage_blocks)
+        name, steps_key = "torch", "torch_pipelining_steps_per_s"
     try:
-        rounds = []
+        rounds, waiting = [], []
         for _ in range(args.rounds):
             a_rate, a_loss = atoll.run(args.steps)
+            waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
-            t_rate, t_loss = torch_side.run(args.steps)
+            t_rate, t_loss = peer.run(args.steps)
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
             rounds.append((a_rate, p_rate, t_rate))
     finally:
-        bubble = atoll.job.plan.report["predicted_bubble_fraction"]
-        measured = atoll.job.last.memory
+        report = atoll.job.plan.report
+        memory = atoll.job.last.memory
         atoll.close()
-        torch_side.close()
-    waiting = [m["waiting_s"] / m["wall_s"] for m in measured.values()]
-    return {
+        peer.close()
+    row = {
         "schedule": schedule,
         "virtual_stages": virtual,
         "stage_blocks": atoll.stage_blocks,
+        "transports": sorted({e["transport"] for e in report["edges"]}),
         "atoll_steps_per_s": round(median([a for a, _, _ in rounds]), 3),
         "atoll_async_steps_per_s": round(median([p for _, p, _ in rounds]), 3),
-        "torch_pipelining_steps_per_s": round(median([t for _, _, t in rounds]), 3),
-        "ratio_atoll_over_torch": round(median([a / t for a, _, t in rounds]), 3),
-        "ratio_atoll_async_over_torch": round(median([p / t for _, p, t in rounds]), 3),
+        steps_key: round(median([t for _, _, t in rounds]), 3),
+        f"ratio_atoll_over_{name}": round(median([a / t for a, _, t in rounds]), 3),
+        f"ratio_atoll_async_over_{name}": round(median([p / t for _, p, t in rounds]), 3),
         "ratio_per_round": [round(a / t, 3) for a, _, t in rounds],
         "ratio_async_per_round": [round(p / t, 3) for _, p, t in rounds],
         "first_round_loss_atoll": round(first_round_losses[0], 5),
-        "first_round_loss_torch": round(first_round_losses[1], 5),
-        "predicted_bubble_fraction": round(bubble, 3),
-        "measured_waiting_fraction_per_rank": [round(w, 3) for w in waiting],
+        f"first_round_loss_{name}": round(first_round_losses[1], 5),
+        "predicted_bubble_fraction": round(report["predicted_bubble_fraction"], 3),
+        "measured_waiting_fraction_per_rank": [round(median(list(w)), 3) for w in zip(*waiting)],
+        "predicted_memory_total_per_rank": [report["predicted_memory"][str(r)]["total"] for r in range(args.ranks)],
+        "counted_memory_total_per_rank": [memory[r]["peak"]["total"] for r in range(args.ranks)],
     }
+    if args.device == "cuda":
+        row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
+    return row
 
 
 def main() -> None:
@@ -231,13 +286,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating atoll/torch rounds per schedule")
     parser.add_argument("--steps", type=int, default=8, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     args.threads = max(1, (os.cpu_count() or 1) // args.ranks)
+    if args.device == "cuda" and args.threads > 4:
+        args.threads = 4  # the GPU does the work; more host threads per worker only contend
 
     model, batches = make_setup(args)
     rows = []
+    devices = ["cuda:0"] * args.ranks if args.device == "cuda" else None
     with (
-        runtime.LocalCluster(workers=args.ranks, threads_per_worker=args.threads) as cluster,
+        atoll.LocalCluster(workers=args.ranks, threads_per_worker=args.threads, devices=devices) as cluster,
         cluster.client() as client,
     ):
         for schedule in args.schedules.split(","):
@@ -246,8 +308,10 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "pipeline",
-                "device": "cpu",
-                "transport": "gloo",
+                "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                "peer": "one process on the same GPU" if args.device == "cuda" else "torch.distributed.pipelining",
+                "dtype": args.dtype,
+                "block_size": args.block_size,
                 "ranks": args.ranks,
                 "microbatches": args.microbatches,
                 "batch": args.batch,

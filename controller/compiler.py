@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controller import memory_plan
-from controller.lowering import Lowered, lower
-from controller.partition import balanced_partition, explicit_partition
-from controller.program import BlockInfo, analyze_block, analyze_loss, check_chain
-from controller.schedules import build_schedule
-from controller.simulate import Timeline, simulate
-from controller.topology import Topology
-from runtime._graphs import StageGraph
-from runtime._optim import validate_optimizer
-from runtime._wire import EdgeSpec, TensorSpec
-from runtime.errors import InvalidInput
+import torch
+
+from atoll._graphs import BlockGraph, StageGraph, deserialize
+from atoll._optim import validate_optimizer
+from atoll._wire import EdgeSpec, TensorSpec
+from atoll.controller import memory_plan
+from atoll.controller.lowering import Lowered, lower
+from atoll.controller.partition import balanced_partition, explicit_partition
+from atoll.controller.program import BlockInfo, analyze_block, analyze_loss, check_chain
+from atoll.controller.schedules import build_schedule
+from atoll.controller.simulate import Timeline, simulate
+from atoll.controller.topology import Topology
+from atoll.errors import InvalidInput
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +45,7 @@ class PipelineRequest:
     virtual_stages: int = 1
     """Model chunks per rank (interleaved schedules)."""
     optimizer: str = "sgd"
-    """Optimizer name (runtime._optim.OPTIMIZERS)."""
+    """Optimizer name (atoll._optim.OPTIMIZERS)."""
     optimizer_args: dict = field(default_factory=dict)
     """Plain keyword arguments of the optimizer."""
     split_points: list[int] = field(default_factory=list)
@@ -54,6 +56,25 @@ class PipelineRequest:
     """A label shown by status."""
     data_plane_timeout_s: float = 60.0
     """Deadline of every data-plane wait (receive, send completion, group join)."""
+    device: str = "cpu"
+    """Device kind of the workers the job runs on: "cpu" or "cuda"."""
+    transport: str = "auto"
+    """"auto": each edge's transport follows from placement; or one of TRANSPORTS for every edge."""
+
+
+DEVICE_KINDS = ("cpu", "cuda")
+TRANSPORTS = ("gloo", "cuda_ipc", "nccl")
+
+
+def analysis_device(device: str) -> str:
+    """The device whose kernels the fake-tensor analysis runs: the job's, when this process has it.
+
+    Fake CUDA tensors need a CUDA build of torch (no GPU memory is used); a controller without one
+    analyzes a CUDA job with CPU kernels, and the plan says so (memory may then differ a little,
+    e.g. where attention takes another fused kernel)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "cpu"
+    return device
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +112,8 @@ class CompiledPipeline:
             "microbatches": t.microbatches,
             "num_stages": t.num_stages,
             "rematerialize": self.request.rematerialize,
+            "device": self.request.device,
+            "analysis_device": analysis_device(self.request.device),
             "placement": {str(r): w for r, w in (placement or {}).items()},
             "stages": [
                 {
@@ -136,6 +159,11 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         raise InvalidInput(f"data_plane_timeout_s must be positive, got {req.data_plane_timeout_s}")
     if not req.blocks:
         raise InvalidInput("the program has no blocks")
+    if req.device not in DEVICE_KINDS:
+        raise InvalidInput(f"unknown device kind {req.device!r} (known: {', '.join(DEVICE_KINDS)})")
+    if req.transport != "auto" and req.transport not in TRANSPORTS:
+        raise InvalidInput(f"unknown transport {req.transport!r} (known: auto, {', '.join(TRANSPORTS)})")
+    device = analysis_device(req.device)
     analyzed = [analyze_block(i, name, data) for i, (name, data) in enumerate(req.blocks)]
     infos = [info for info, _ in analyzed]
     check_chain(infos)
@@ -143,7 +171,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     mb_target = microbatch_spec(req.target, req.microbatches)
     if infos[0].input.tensors != mb_input.tensors:
         raise InvalidInput(
-            f"the first block was traced with {infos[0].input}, but a microbatch of the input is {mb_input}"
+            f"the first block was exported with {infos[0].input}, but a microbatch of the input is {mb_input}"
         )
     loss = analyze_loss(req.loss, infos[-1].output, mb_target)
 
@@ -152,17 +180,25 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     else:
         ranges = balanced_partition([b.cost for b in infos], topo.num_stages)
 
+    def private(blocks: list[int]) -> tuple[StageGraph, BlockGraph]:
+        """Copies the CUDA analysis may move in place; on CPU the analyzed graphs themselves."""
+        if device == "cpu":
+            return StageGraph([analyzed[i][1] for i in blocks]), loss
+        fresh = [BlockGraph(infos[i].name, deserialize(infos[i].data, infos[i].name)) for i in blocks]
+        return StageGraph(fresh), BlockGraph("loss", deserialize(req.loss, "loss program"))
+
     stages = []
     for s, blocks in enumerate(ranges):
-        graph = StageGraph([analyzed[i][1] for i in blocks])
+        graph, stage_loss = private(blocks)
         is_last = s == topo.num_stages - 1
         memory = memory_plan.measure_stage(
             graph,
             s,
             infos[blocks[0]].input,
-            loss if is_last else None,
+            stage_loss if is_last else None,
             mb_target if is_last else None,
             req.rematerialize,
+            device,
         )
         stages.append(
             CompiledStage(

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from controller.service import ControllerService
-from runtime._auth import resolve_token
-from runtime._graphs import forbid_pickle
-from runtime._grpc import make_server
-from runtime._rpc import atoll_pb2_grpc as pb_grpc
+from atoll._auth import resolve_token
+from atoll._graphs import forbid_pickle
+from atoll._grpc import make_server
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.controller.service import ControllerService
 
 log = logging.getLogger("atoll.controller")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from controller.registry import WorkerRecord
-from runtime.errors import AtollError
+from atoll.controller.registry import WorkerRecord
+from atoll.errors import AtollError
 
 
 @dataclass(frozen=True, slots=True)

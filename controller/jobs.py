@@ -7,8 +7,8 @@ import enum
 import threading
 from dataclasses import dataclass, field
 
-from controller.compiler import CompiledPipeline
-from controller.registry import WorkerRecord
+from atoll.controller.compiler import CompiledPipeline
+from atoll.controller.registry import WorkerRecord
 
 
 class JobState(str, enum.Enum):
@@ -48,7 +48,7 @@ class GangScheduler:
     Each ordered call (LoadPlan, RunStep, GetState) gets the worker's next position; the positions
     of one dispatch are taken together under one lock, so two jobs sharing workers are ordered the
     same way on all of them (interleaving them differently on two workers would deadlock their
-    data-plane exchanges). Workers run calls strictly by position (runtime._turnstile), so the
+    data-plane exchanges). Workers run calls strictly by position (atoll._turnstile), so the
     controller can send step k+1 while step k still runs: dispatch is asynchronous.
     """
 

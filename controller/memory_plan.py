@@ -2,7 +2,7 @@
 
 Per stage, the bytes one microbatch stashes come from running the stage on fake tensors of the
 worker's device (see controller.program) with the executor's own accounting
-(runtime._memory.SavedTensors); per rank, the lowered action
+(atoll._memory.SavedTensors); per rank, the lowered action
 list is then walked with the executor's observation points (after each compute and STEP, and
 mid-backward for a recomputed forward), so prediction and measurement count the same things.
 """
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from controller.lowering import Lowered
-from controller.program import fake_inputs, fake_mode
-from controller.topology import Topology
-from runtime._actions import Kind
-from runtime._graphs import BlockGraph, StageGraph, flatten
-from runtime._memory import MemorySnapshot, SavedTensors, storage_key
-from runtime._wire import EdgeSpec
+from atoll._actions import Kind
+from atoll._graphs import BlockGraph, StageGraph, flatten, on_device
+from atoll._memory import MemorySnapshot, SavedTensors, storage_key
+from atoll._wire import EdgeSpec
+from atoll.controller.lowering import Lowered
+from atoll.controller.program import fake_inputs, fake_mode
+from atoll.controller.topology import Topology
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +40,21 @@ def measure_stage(
     loss: BlockGraph | None,
     target_spec: EdgeSpec | None,
     rematerialize: bool,
+    device: str = "cpu",
 ) -> StageMemory:
-    """Run one microbatch of a stage on fake tensors, counting what the executor would hold."""
-    params = [p for _, p in graph.named_parameters()]
+    """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
+    would hold. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
+    to fake device weights in place."""
     with fake_mode() as mode:
+        graph = graph.on(device, mode)
+        if loss is not None and device != "cpu":
+            loss = BlockGraph(loss.name, on_device(loss.ep, device, mode))
+        params = [p for _, p in graph.named_parameters()]
         # Parameters take part as themselves or as their (memoized) fake copies: exclude both.
         # The copies are held until the end: a freed storage's key can be reused by an activation.
         fake_params = [mode.from_tensor(p) for p in params]
         exclude = {storage_key(p) for p in params + fake_params}
-        inputs = fake_inputs(input_spec)
+        inputs = fake_inputs(input_spec, device)
         if stage > 0:  # received tensors live in receive buffers, counted apart
             inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
             exclude |= {storage_key(t) for t in inputs}
@@ -57,7 +63,7 @@ def measure_stage(
             out = graph.forward(inputs)
             outputs = flatten(out)
             if loss is not None:
-                args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec), loss.in_spec)
+                args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec, device), loss.in_spec)
                 outputs = [loss.module(*args, **kwargs)]
         counter.add(outputs)
     parameter_bytes = sum(p.numel() * p.element_size() for p in params)

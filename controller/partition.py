@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.errors import InvalidInput
+from atoll.errors import InvalidInput
 
 
 def balanced_partition(costs: Sequence[float], parts: int) -> list[range]:

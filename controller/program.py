@@ -15,9 +15,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from runtime._graphs import BlockGraph, deserialize, flatten
-from runtime._wire import EdgeSpec, TensorSpec
-from runtime.errors import InvalidInput
+from atoll._graphs import BlockGraph, deserialize, flatten
+from atoll._wire import EdgeSpec, TensorSpec
+from atoll.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)

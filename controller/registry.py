@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime._grpc import Endpoint
-from runtime._rpc import atoll_pb2 as pb
-from runtime._rpc import atoll_pb2_grpc as pb_grpc
-from runtime.errors import InvalidInput
+from atoll._grpc import Endpoint
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.errors import InvalidInput
 
 
 @dataclass(slots=True)

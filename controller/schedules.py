@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from controller.topology import Topology
-from runtime._actions import Action, B, F
+from atoll._actions import Action, B, F
+from atoll.controller.topology import Topology
 
 Schedule = dict[int, list[Action]]
 

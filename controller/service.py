@@ -10,16 +10,17 @@ import time
 
 import grpc
 
-from controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
-from controller.dispatch import Call, Dispatcher, DispatchError
-from controller.jobs import GangScheduler, Job, JobState
-from controller.registry import Registry, WorkerRecord
-from controller.transports import edge_transports
-from runtime._grpc import rpc_handler
-from runtime._rpc import atoll_pb2 as pb
-from runtime._rpc import atoll_pb2_grpc as pb_grpc
-from runtime._wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
-from runtime.errors import InvalidInput, JobFailed, NotEnoughWorkers, NotFound
+from atoll._actions import STEP_MODES
+from atoll._grpc import rpc_handler
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll._wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
+from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
+from atoll.controller.dispatch import Call, Dispatcher, DispatchError
+from atoll.controller.jobs import GangScheduler, Job, JobState
+from atoll.controller.registry import Registry, WorkerRecord
+from atoll.controller.transports import edge_transports, peer_transports
+from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 
 log = logging.getLogger("atoll.controller")
 
@@ -45,6 +46,8 @@ def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
         rematerialize=request.rematerialize,
         name=request.name,
         data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
+        device=request.device or "cpu",
+        transport=request.transport or "auto",
     )
 
 
@@ -118,23 +121,23 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise JobFailed(f"job {job_id} is {job.state.value}")
         return job
 
-    def _place(self, ranks: int) -> list[WorkerRecord]:
+    def _place(self, ranks: int, device: str) -> list[WorkerRecord]:
+        """``ranks`` live workers of the job's device kind, least loaded first."""
         live = self.registry.live()
-        # The data plane is gloo between CPU workers; CUDA workers need the GPU transports
-        # (CUDA IPC, NCCL), which are not built yet, so they are never given work.
-        usable = [w for w in live if w.device == "cpu"]
+        usable = [w for w in live if w.device.split(":")[0] == device]
         if len(usable) < ranks:
             names = ", ".join(w.worker_id for w in usable) or "none"
-            others = len(live) - len(usable)
-            cuda = f"; {others} live worker(s) have CUDA devices, which are not supported yet" if others else ""
+            others = sorted({w.device for w in live} - {w.device for w in usable})
+            elsewhere = f"; other live workers have {', '.join(others)}" if others else ""
             raise NotEnoughWorkers(
-                f"the program needs {ranks} workers (one per pipeline rank) but {len(usable)} are alive ({names}){cuda}"
+                f"the program needs {ranks} workers of device kind '{device}' (one per pipeline rank) "
+                f"but {len(usable)} are alive ({names}){elsewhere}"
             )
         # least-loaded first; registration order breaks ties so placement is repeatable
         usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         return usable[:ranks]
 
-    def _load_request(self, job_id: str, compiled: CompiledPipeline, rank: int) -> pb.LoadPlanRequest:
+    def _load_request(self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str]) -> pb.LoadPlanRequest:
         topo, low = compiled.topology, compiled.lowered
         stages = [
             pb.StageProgram(
@@ -164,6 +167,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             timeout_s=compiled.request.data_plane_timeout_s,
             recv_slots=[pb.RecvSlot(action=str(a), slot=slot) for a, slot in low.recv_slots[rank].items()],
             num_stages=topo.num_stages,
+            peer_transports=peers,
         )
 
     def _dispatch_ordered(self, calls: list[Call], timeout_s: float):
@@ -177,15 +181,17 @@ class ControllerService(pb_grpc.ControllerServicer):
     def SubmitPipeline(self, request, context):
         compiled = compile_pipeline(decode_program(request))
         with self._lock:  # placement and bookkeeping are one decision
-            workers = self._place(compiled.topology.ranks)
+            workers = self._place(compiled.topology.ranks, compiled.request.device)
+            edges = edge_transports(compiled.topology.stage_ranks, workers, compiled.request.transport)
+            peers = peer_transports(edges, compiled.topology.ranks)
             job_id = f"job{next(self._job_ids)}"
-            report = compiled.report({r: f"{w.worker_id} {w.address}" for r, w in enumerate(workers)})
-            report["edges"] = edge_transports(compiled.topology.stage_ranks, workers)
+            report = compiled.report({r: f"{w.worker_id} {w.address} {w.device}" for r, w in enumerate(workers)})
+            report["edges"] = edges
             job = Job(job_id=job_id, name=request.name or job_id, compiled=compiled, workers=workers, report=report)
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
-        calls = [Call(w, "LoadPlan", self._load_request(job_id, compiled, r)) for r, w in enumerate(workers)]
+        calls = [Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r])) for r, w in enumerate(workers)]
         try:
             self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
         except DispatchError as e:
@@ -216,8 +222,15 @@ class ControllerService(pb_grpc.ControllerServicer):
             self._await_turn(job, seq)
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self._ready_job(request.job_id)  # a worker may have died while this step waited
+                mode = request.mode or "train"
+                if mode not in STEP_MODES:
+                    raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
                 self._check_batch(job.compiled.request.input, request.inputs)
-                self._check_batch(job.compiled.request.target, request.targets)
+                if mode == "forward":
+                    if request.targets:
+                        raise InvalidInput("a forward step takes no target")
+                else:
+                    self._check_batch(job.compiled.request.target, request.targets)
                 calls = [
                     Call(
                         w,
@@ -227,6 +240,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                             step=seq - 1,
                             inputs=request.inputs if r == first else [],
                             targets=request.targets if r == last else [],
+                            mode=mode,
                         ),
                     )
                     for r, w in enumerate(job.workers)
@@ -238,19 +252,46 @@ class ControllerService(pb_grpc.ControllerServicer):
         try:  # waiting happens outside the order: the next step can be dispatched meanwhile
             replies = self.dispatcher.gather(calls, futures)
         except DispatchError as e:
-            if e.code == grpc.StatusCode.UNAVAILABLE:
-                self.registry.mark_dead(e.worker, f"unreachable during a step: {e.error}")
-            self._fail(job, f"step {seq} failed: {e}")
+            cause = self._blame(job, e)
+            self._fail(job, f"step {seq} failed: {cause}")
             raise JobFailed(
-                f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {e}"
+                f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {cause}"
             ) from None
-        with job.order:
-            job.steps += 1
+        if mode == "train":  # status counts training steps
+            with job.order:
+                job.steps += 1
         losses = list(replies[last].microbatch_losses)
         memory = {str(r): json.loads(rep.memory_json or "{}") for r, rep in enumerate(replies)}
         return pb.StepReply(
-            loss=sum(losses) / len(losses), microbatch_losses=losses, step=seq, memory_json=json.dumps(memory)
+            loss=sum(losses) / len(losses) if losses else 0.0,
+            microbatch_losses=losses,
+            step=seq,
+            memory_json=json.dumps(memory),
+            outputs=replies[last].outputs,
         )
+
+    PROBE_TIMEOUT_S = 2.0
+
+    def _blame(self, job: Job, error: DispatchError) -> str:
+        """Name the cause of a failed step. When a worker dies, its peers' data-plane receives
+        often fail before the controller hears anything from (or about) the dead one, so the
+        first error to arrive is a survivor's. Ping every worker of the job: the unreachable
+        ones are marked dead and named first, so the caller learns which worker to look at."""
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.registry.mark_dead(error.worker, f"unreachable during a step: {error.error}")
+        calls = [Call(w, "Ping", pb.Empty()) for w in job.workers if w is not error.worker and w.alive]
+        dead = []
+        for call, reply in zip(calls, self.dispatcher.each(calls, self.PROBE_TIMEOUT_S)):
+            if isinstance(reply, AtollError) and reply.code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                self.registry.mark_dead(call.worker, f"unreachable after a failed step: {reply}")
+                dead.append(call.worker)
+        if not dead:
+            return str(error)
+        named = ", ".join(w.describe() for w in dead)
+        return f"{named} unreachable (did the worker die?); a peer reported: {error}"
 
     STEP_ORDER_TIMEOUT_S = 30.0
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller.topology import Topology
-from runtime._actions import Action, Kind
-from runtime.errors import InvalidInput
+from atoll._actions import Action, Kind
+from atoll.controller.topology import Topology
+from atoll.errors import InvalidInput
 
 
 class ScheduleError(InvalidInput):
@@ -69,6 +69,17 @@ def _peer_send(a: Action) -> Action:
     return Action(a.stage + 1, Kind.SEND_B, a.microbatch)
 
 
+def _local_producer(a: Action) -> Action:
+    """The compute on the same rank whose result a compute takes over a local hand-off."""
+    if a.kind is Kind.FORWARD:
+        return Action(a.stage - 1, Kind.FORWARD, a.microbatch)
+    return Action(a.stage + 1, Kind.BACKWARD, a.microbatch)
+
+
+def _input_edge(a: Action) -> int:
+    return a.stage - 1 if a.kind is Kind.FORWARD else a.stage
+
+
 def _matching_recv(send: Action) -> Action:
     if send.kind is Kind.SEND_F:
         return Action(send.stage + 1, Kind.RECV_F, send.microbatch)
@@ -101,6 +112,9 @@ def simulate(
             if a.kind is Kind.BACKWARD and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
                 return f"waits for {a.stage}F{a.microbatch}, not yet run on this rank"
             needs_data = (a.stage > 0) if a.kind is Kind.FORWARD else (a.stage < last and carries_grad(a.stage))
+            if needs_data and topo.is_local(_input_edge(a)):
+                producer = _local_producer(a)
+                return None if producer in done else f"waits for {producer}, not yet run on this rank"
             if needs_data:
                 recv = Action(a.stage, Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B, a.microbatch)
                 if recv not in posted:
@@ -124,7 +138,9 @@ def simulate(
         start = clock[rank]
         if a.kind in (Kind.FORWARD, Kind.BACKWARD):
             needs_data = (a.stage > 0) if a.kind is Kind.FORWARD else (a.stage < last and carries_grad(a.stage))
-            if needs_data:
+            if needs_data and topo.is_local(_input_edge(a)):
+                start = max(start, done[_local_producer(a)])
+            elif needs_data:
                 send = _peer_send(a)
                 start = max(start, done[send])
                 consumed.add(Action(a.stage, Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B, a.microbatch))

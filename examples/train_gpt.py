@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import runtime  # noqa: E402
+import atoll  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss, sample  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     started = time.monotonic()
-    with runtime.LocalCluster(workers=args.workers) as cluster, cluster.client() as client:
+    with atoll.LocalCluster(workers=args.workers) as cluster, cluster.client() as client:
         print(
             f"local cluster: controller {cluster.address}, {args.workers} workers "
             f"(up in {time.monotonic() - started:.1f}s)"

@@ -1,22 +1,25 @@
 """Regenerate the committed gRPC/protobuf modules from proto/atoll.proto.
 
-    python proto/generate.py            # rewrite runtime/_rpc/
-    python proto/generate.py --out DIR  # write into DIR instead (the drift test compares)
+    python proto/generate.py            # rewrite runtime/_rpc/ (installed as atoll._rpc)
+    python proto/generate.py --out DIR  # write DIR/atoll/_rpc/ instead (the drift test compares)
 
-The virtual include path makes the generated code import ``runtime._rpc.atoll_pb2`` as a
-package module rather than a top-level ``atoll_pb2``.
+The virtual include path makes the generated code import ``atoll._rpc.atoll_pb2`` as a package
+module (the folder runtime/ is installed as the package ``atoll``, see pyproject.toml) rather than
+a top-level ``atoll_pb2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIR = "runtime/_rpc"
+PACKAGE_DIR = "atoll/_rpc"  # the import path; the files live in runtime/_rpc
 
 
 def generate(out_root: Path) -> Path:
@@ -35,8 +38,16 @@ def generate(out_root: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT, help="root under which runtime/_rpc/ is written")
-    written = generate(parser.parse_args().out)
+    parser.add_argument("--out", type=Path, default=None, help="root under which atoll/_rpc/ is written")
+    out = parser.parse_args().out
+    if out is not None:
+        written = generate(out)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = generate(Path(tmp))
+            written = ROOT / "runtime" / "_rpc"
+            for name in ("atoll_pb2.py", "atoll_pb2_grpc.py"):
+                shutil.copyfile(fresh / name, written / name)
     print(f"wrote {written}", file=sys.stderr)
 
 

@@ -1,14 +1,14 @@
 """atoll: a Pathways-style asynchronous MPMD dataflow runtime for PyTorch.
 
-import runtime
-with runtime.LocalCluster(workers=4) as cluster, cluster.client() as client:
+import atoll
+with atoll.LocalCluster(workers=4) as cluster, cluster.client() as client:
     job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss,
                           stages=4, microbatches=8, schedule="1f1b")
     loss = job.step(x, y)
 """
 
-from runtime.client import Client, Job, StepFuture, StepResult, connect
-from runtime.errors import (
+from atoll.client import Client, Job, StepFuture, StepResult, connect
+from atoll.errors import (
     AtollError,
     DeadlineExceeded,
     InvalidInput,
@@ -18,8 +18,8 @@ from runtime.errors import (
     Unauthenticated,
     WorkerUnavailable,
 )
-from runtime.local import LocalCluster
-from runtime.plan import ClusterStatus, Plan
+from atoll.local import LocalCluster
+from atoll.plan import ClusterStatus, Plan
 
 __all__ = [
     "AtollError",

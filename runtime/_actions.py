@@ -24,6 +24,11 @@ class Kind(str, enum.Enum):
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
 
+# What a step runs of the plan's action list, by mode: training runs all of it; evaluation and
+# inference run the forward actions alone (the same order and buffers, no backward, no update).
+FORWARD_ONLY = frozenset({Kind.RECV_F, Kind.FORWARD, Kind.SEND_F})
+STEP_MODES: dict[str, frozenset[Kind] | None] = {"train": None, "evaluate": FORWARD_ONLY, "forward": FORWARD_ONLY}
+
 # Longest alternatives first so "SEND_F" is not read as "S" + garbage.
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|STEP|F|B)(\d*)$")
 

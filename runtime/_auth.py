@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from runtime.errors import InvalidInput
+from atoll.errors import InvalidInput
 
 TOKEN_ENV = "ATOLL_TOKEN"
 TOKEN_FILE_ENV = "ATOLL_TOKEN_FILE"

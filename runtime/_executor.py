@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from runtime._actions import Action, Kind
-from runtime._graphs import BlockGraph, StageGraph, flatten
-from runtime._memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
-from runtime._optim import build_optimizer
-from runtime._transport import DataPlaneError, Handle, Transport
-from runtime._wire import EdgeSpec
+from atoll._actions import STEP_MODES, Action, Kind
+from atoll._graphs import BlockGraph, StageGraph, flatten
+from atoll._memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
+from atoll._optim import build_optimizer
+from atoll._transport import DataPlaneError, Handle, Transport
+from atoll._wire import EdgeSpec
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 MAX_TENSORS_PER_EDGE = 64
@@ -44,13 +44,17 @@ class _Stash:
 
 @dataclass(slots=True)
 class _StepState:
+    mode: str
     input_mbs: list[list[torch.Tensor]] | None
     target_mbs: list[list[torch.Tensor]] | None
     pending_recvs: dict[Action, tuple[list[torch.Tensor], list[Handle]]] = field(default_factory=dict)
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     sends: list[Handle] = field(default_factory=list)
-    losses: dict[int, float] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Forward mode: the last stage's output per microbatch."""
+    """Read once at the end of the step: reading each at once would make the host wait for the GPU."""
     activation_bytes: int = 0
     meter: PeakMeter = field(default_factory=PeakMeter)
     waiting_s: float = 0.0
@@ -103,7 +107,10 @@ class PipelineExecutor:
         # a stage without parameters (an activation, a reshape) has nothing to optimize
         self.optimizer = build_optimizer(optimizer, self.params, optimizer_args) if self.params else None
         self.recv_slots = recv_slots
+        self.recv_region: torch.Tensor | None = None
+        """On CUDA: one allocation holding every receive buffer, exported once to cuda_ipc peers."""
         self.slots = self._allocate_slots(recv_slots)
+        self.recv_buffers = [t for slot in sorted(self.slots) for t in self.slots[slot]]
         # storages counted in their own categories, never as stashed activations
         self._not_activations = {storage_key(t) for t in self.params} | {
             storage_key(t) for bufs in self.slots.values() for t in bufs
@@ -118,14 +125,28 @@ class PipelineExecutor:
 
     def _allocate_slots(self, recv_slots: dict[Action, int]) -> dict[int, list[torch.Tensor]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
-        slots: dict[int, list[torch.Tensor]] = {}
+        specs_of: dict[int, list] = {}
         for action, slot in recv_slots.items():
             specs = self._recv_specs(action)
-            if slot in slots:
-                if [tuple(t.shape) for t in slots[slot]] != [s.shape for s in specs]:
+            if slot in specs_of:
+                if [t.shape for t in specs_of[slot]] != [s.shape for s in specs]:
                     raise ValueError(f"plan reuses receive slot {slot} for {action} with another shape")
                 continue
-            slots[slot] = [s.empty(self.device) for s in specs]
+            specs_of[slot] = specs
+        if self.device.type != "cuda":
+            return {slot: [s.empty(self.device) for s in specs] for slot, specs in specs_of.items()}
+        # one region, so cuda_ipc peers open a single handle (see runtime/_cuda_ipc.py)
+        align = 256
+        offsets, total = [], 0
+        for slot in sorted(specs_of):
+            for spec in specs_of[slot]:
+                offsets.append((slot, spec, total))
+                total += -(-spec.nbytes // align) * align
+        self.recv_region = torch.empty(max(total, align), dtype=torch.uint8, device=self.device)
+        slots: dict[int, list[torch.Tensor]] = {slot: [] for slot in specs_of}
+        for slot, spec, offset in offsets:
+            raw = self.recv_region[offset : offset + spec.nbytes]
+            slots[slot].append(raw.view(spec.torch_dtype).view(spec.shape))
         return slots
 
     def _recv_specs(self, action: Action):
@@ -136,20 +157,37 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one step
 
-    def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None):
-        """Run the action list once; returns (per-microbatch losses, measured memory)."""
+    def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, mode: str = "train"):
+        """Run the action list once (or its forward actions, see STEP_MODES); returns
+        (per-microbatch losses, measured memory, the last stage's full-batch output in forward mode)."""
+        if mode not in STEP_MODES:
+            raise ValueError(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
+        runs = STEP_MODES[mode]
         with self._lock:
             if self.failure:
                 raise ActionFailed(f"rank {self.rank}: an earlier step failed ({self.failure}); submit the job again")
             started = time.perf_counter()
-            state = _StepState(self._split(inputs), self._split(targets))
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            state = _StepState(mode, self._split(inputs), self._split(targets))
             position, action = -1, None
             try:
-                for position, action in enumerate(self.actions):  # noqa: B007 (read on failure)
-                    self._run(action, state)
-                    if action.is_compute or action.kind is Kind.STEP:
-                        self._observe(state)
+                with torch.set_grad_enabled(mode == "train"):
+                    for position, action in enumerate(self.actions):  # noqa: B007 (read on failure)
+                        if runs is not None and action.kind not in runs:
+                            continue
+                        self._run(action, state)
+                        if action.is_compute or action.kind is Kind.STEP:
+                            self._observe(state)
                 self._wait(state.sends, state)
+                losses = [float(state.losses[m]) for m in sorted(state.losses)]
+                outputs = [
+                    torch.cat([state.outputs[m][i] for m in sorted(state.outputs)]).cpu()
+                    for i in range(len(state.outputs[0]) if state.outputs else 0)
+                ]
+                if cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
             except Exception as e:
                 where = f"rank {self.rank}, action #{position} '{action}'" if action else f"rank {self.rank}"
                 kind = "data plane" if isinstance(e, DataPlaneError) else type(e).__name__
@@ -160,14 +198,16 @@ class PipelineExecutor:
                     self.optimizer.zero_grad(set_to_none=True)
                 state.stash.clear()
                 state.pending_recvs.clear()
-            losses = [state.losses[m] for m in sorted(state.losses)]
             wall = time.perf_counter() - started
-            return losses, {
+            measured = {
                 "peak": state.meter.peak.as_dict(),
                 "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
                 "wall_s": wall,
                 "waiting_s": state.waiting_s,
             }
+            if cuda:  # the allocator's view, next to the executor's own accounting
+                measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            return losses, measured, outputs
 
     def _wait(self, handles, state: _StepState) -> None:
         started = time.perf_counter()
@@ -257,16 +297,33 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ compute
 
+    def _is_local(self, edge: int) -> bool:
+        """Stages ``edge`` and ``edge + 1`` both run here: a local hand-off, no transport."""
+        return self.stage_ranks[edge] == self.stage_ranks[edge + 1]
+
     def _stage_inputs(self, action: Action, state: _StepState) -> list[torch.Tensor]:
         s, m = action.stage, action.microbatch
         if s == 0:
             return list(state.input_mbs[m])
-        received = self._take_recv(Action(s, Kind.RECV_F, m), state)
+        if self._is_local(s - 1):
+            producer = state.stash.get((s - 1, m))
+            if producer is None:
+                raise RuntimeError(f"{action} takes the output of {s - 1}F{m}, which has not run on this rank")
+            received = [t.detach() for t in producer.outputs]
+        else:
+            received = self._take_recv(Action(s, Kind.RECV_F, m), state)
         return [buf.detach().requires_grad_() if buf.is_floating_point() else buf for buf in received]
+
+    def _counter(self, s: int, inputs: list[torch.Tensor]) -> SavedTensors:
+        """Counts what a stage saves. A handed-off input is its producer's stashed output, counted
+        there (as a received input is counted as a buffer), so it is not counted again."""
+        if s > 0 and self._is_local(s - 1):
+            return SavedTensors(self._not_activations | {storage_key(t) for t in inputs})
+        return SavedTensors(self._not_activations)
 
     def _run_stage(self, s: int, m: int, inputs: list[torch.Tensor], state: _StepState) -> list[torch.Tensor]:
         out = self.stages[s].graph.forward(inputs)
-        if s != self.last_stage:
+        if s != self.last_stage or state.mode == "forward":
             return flatten(out)
         leaves = flatten(out) + list(state.target_mbs[m])
         args, kwargs = pytree.tree_unflatten(leaves, self.loss.in_spec)
@@ -277,7 +334,7 @@ class PipelineExecutor:
         if (s, m) in state.stash:
             raise RuntimeError(f"{action} computed twice")
         inputs = self._stage_inputs(action, state)
-        counter = SavedTensors(self._not_activations)
+        counter = self._counter(s, inputs)
         if self.rematerialize:
             # keep only the inputs; backward recomputes the forward (GPipe re-materialization)
             with torch.no_grad():
@@ -287,8 +344,10 @@ class PipelineExecutor:
             with counter:
                 outputs = self._run_stage(s, m, inputs, state)
             counter.add(outputs)
-        if s == self.last_stage:
-            state.losses[m] = float(outputs[0].detach())
+        if s == self.last_stage and state.mode == "forward":
+            state.outputs[m] = [t.detach() for t in outputs]
+        elif s == self.last_stage:
+            state.losses[m] = outputs[0].detach()
         else:
             self.stages[s].output.check(outputs)
         state.stash[(s, m)] = _Stash(inputs, outputs, counter.nbytes)
@@ -301,7 +360,7 @@ class PipelineExecutor:
             raise RuntimeError(f"{action} before {s}F{m}")
         outputs, recomputed = stash.outputs, 0
         if self.rematerialize:
-            counter = SavedTensors(self._not_activations)
+            counter = self._counter(s, stash.inputs)
             with counter:
                 outputs = self._run_stage(s, m, stash.inputs, state)
             counter.add(outputs)
@@ -312,7 +371,12 @@ class PipelineExecutor:
         if s == self.last_stage:
             torch.autograd.backward(outputs[0] / self.microbatches)
         elif self.stages[s].output.differentiable:  # an integer-only edge sends no gradient back
-            grads = self._take_recv(Action(s, Kind.RECV_B, m), state)
+            if self._is_local(s):
+                grads = state.input_grads.pop((s + 1, m), None)
+                if grads is None:
+                    raise RuntimeError(f"{action} takes the input gradients of {s + 1}B{m}, which has not run here")
+            else:
+                grads = self._take_recv(Action(s, Kind.RECV_B, m), state)
             pairs = [
                 (outputs[i], g) for i, g in zip(self.stages[s].output.differentiable, grads) if outputs[i].requires_grad
             ]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from runtime.errors import InvalidInput
+from atoll.errors import InvalidInput
 
 # torch.export.load falls back to full unpickling when a weights-only load fails; this makes
 # torch.load refuse instead. Daemons set it at start unless the operator opts in to pickle.
@@ -49,11 +49,35 @@ def flatten(value) -> list[torch.Tensor]:
     return leaves
 
 
+def on_device(ep: torch.export.ExportedProgram, device: str | torch.device, fake_mode=None):
+    """``ep`` with its weights and the devices written into its graph moved to ``device``.
+
+    Clients export on CPU, so a graph may name ``cpu`` in its nodes (``torch.arange(...,
+    device=x.device)`` is recorded as a constant device); moving only the module's parameters
+    would leave those behind. Under ``fake_mode`` the weights become fake tensors first, so the
+    controller can analyze a CUDA stage without allocating on (or even having) that device's memory.
+    """
+    if torch.device(device).type == "cpu":
+        return ep
+    from torch.export.passes import move_to_device_pass
+
+    if fake_mode is not None:
+        for key, value in list(ep.state_dict.items()):
+            fake = fake_mode.from_tensor(value)
+            is_param = isinstance(value, torch.nn.Parameter)
+            ep.state_dict[key] = torch.nn.Parameter(fake, requires_grad=value.requires_grad) if is_param else fake
+        for key, value in list(ep.constants.items()):
+            if isinstance(value, torch.Tensor):
+                ep.constants[key] = fake_mode.from_tensor(value)
+    return move_to_device_pass(ep, device)
+
+
 class BlockGraph:
     """One exported top-level block, ready to call."""
 
     def __init__(self, name: str, ep: torch.export.ExportedProgram):
         self.name = name
+        self.ep = ep
         # Inputs are checked once, against the compiled specs (the controller checks batches,
         # receive buffers are allocated from the specs); torch's per-call guards and structure
         # checks would repeat that on every microbatch, at about a tenth of a small stage's time.
@@ -88,7 +112,8 @@ class StageGraph:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{block.name}.{k}": v for block in self.blocks for k, v in block.module.state_dict().items()}
 
-    def to(self, device) -> StageGraph:
-        for block in self.blocks:
-            block.module.to(device)
-        return self
+    def on(self, device, fake_mode=None) -> StageGraph:
+        """This stage rebuilt on ``device`` (see ``on_device``); on CPU, itself."""
+        if torch.device(device).type == "cpu":
+            return self
+        return StageGraph([BlockGraph(b.name, on_device(b.ep, device, fake_mode)) for b in self.blocks])

@@ -10,8 +10,8 @@ from concurrent import futures
 
 import grpc
 
-from runtime import errors
-from runtime._auth import TokenInterceptor, call_metadata
+from atoll import errors
+from atoll._auth import TokenInterceptor, call_metadata
 
 log = logging.getLogger("atoll")
 

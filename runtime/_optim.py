@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from runtime.errors import InvalidInput
+from atoll.errors import InvalidInput
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,

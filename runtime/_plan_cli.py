@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import runpy
 
-from controller.compiler import compile_pipeline
-from controller.service import decode_program
-from runtime._rpc import atoll_pb2 as pb
-from runtime.client import Client
-from runtime.errors import InvalidInput
-from runtime.plan import Plan
+from atoll._rpc import atoll_pb2 as pb
+from atoll.client import Client
+from atoll.controller.compiler import compile_pipeline
+from atoll.controller.service import decode_program
+from atoll.errors import InvalidInput
+from atoll.plan import Plan
 
 _OVERRIDES = ("stages", "microbatches", "schedule", "virtual_stages")
 

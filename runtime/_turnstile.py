@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 
-from runtime.errors import InvalidInput
+from atoll.errors import InvalidInput
 
 
 class Turnstile:

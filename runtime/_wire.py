@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime._rpc import atoll_pb2 as pb
-from runtime.errors import InvalidInput
+from atoll._rpc import atoll_pb2 as pb
+from atoll.errors import InvalidInput
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -46,7 +46,7 @@ def _serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int |
 
 
 def _controller(args) -> None:
-    from controller.daemon import ControllerConfig, ControllerDaemon
+    from atoll.controller.daemon import ControllerConfig, ControllerDaemon
 
     daemon = ControllerDaemon(
         ControllerConfig(
@@ -66,8 +66,8 @@ def _controller(args) -> None:
 def _worker(args) -> None:
     import torch
 
-    from runtime._auth import resolve_token
-    from runtime.worker import WorkerDaemon
+    from atoll._auth import resolve_token
+    from atoll.worker import WorkerDaemon
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,7 +86,7 @@ def _worker(args) -> None:
 
 
 def _status(args) -> None:
-    from runtime.client import connect
+    from atoll.client import connect
 
     client = connect(args.controller, token_file=args.token_file)
     print(client.status().render())
@@ -94,7 +94,7 @@ def _status(args) -> None:
 
 
 def _plan(args) -> None:
-    from runtime._plan_cli import print_plan
+    from atoll._plan_cli import print_plan
 
     print_plan(args)
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    from runtime.errors import AtollError
+    from atoll.errors import AtollError
 
     try:
         args.run(args)

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime._auth import resolve_token
-from runtime._grpc import Endpoint
-from runtime._rpc import atoll_pb2 as pb
-from runtime._rpc import atoll_pb2_grpc as pb_grpc
-from runtime._trace import as_leaves, trace_pipeline
-from runtime._wire import spec_to_pb, tensor_from_pb, tensor_to_pb
-from runtime.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
+from atoll._auth import resolve_token
+from atoll._export import as_leaves, export_pipeline
+from atoll._grpc import Endpoint
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll._wire import spec_to_pb, tensor_from_pb, tensor_to_pb
+from atoll.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,14 +27,19 @@ class StepResult:
     """The step's number: 1 for the job's first step, in the order steps were sent."""
     memory: dict[int, dict]
     """Per rank, the worker's measured accounting: peak bytes by category and peak stashed microbatches."""
+    mode: str = "train"
+    """"train", "evaluate" or "forward" (see Job.evaluate, Job.forward)."""
+    outputs: tuple[torch.Tensor, ...] = ()
+    """Forward steps: the last stage's output for the full batch (flattened leaves)."""
 
 
 class StepFuture:
     """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
 
-    def __init__(self, job: Job, future):
+    def __init__(self, job: Job, future, mode: str = "train"):
         self._job = job
         self._future = future
+        self._mode = mode
         self._result: StepResult | None = None
 
     def done(self) -> bool:
@@ -45,8 +50,12 @@ class StepFuture:
         if self._result is None:
             reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
             memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
-            self._result = StepResult(reply.loss, tuple(reply.microbatch_losses), reply.step, memory)
-            if self._job.last is None or self._result.step > self._job.last.step:
+            outputs = tuple(tensor_from_pb(t, "output") for t in reply.outputs)
+            self._result = StepResult(
+                reply.loss, tuple(reply.microbatch_losses), reply.step, memory, self._mode, outputs
+            )
+            last = self._job.last
+            if self._mode == "train" and (last is None or self._result.step > last.step):
                 self._job.last = self._result
         return self._result
 
@@ -62,7 +71,7 @@ class Job:
         self.id = job_id
         self.plan = plan
         self.last: StepResult | None = None
-        """The latest step whose result has been read."""
+        """The latest training step whose result has been read."""
         self._next_seq = next_step
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
@@ -71,15 +80,30 @@ class Job:
         """Send one training step and return at once. Steps run in the order they are sent;
         sending the next before this one finishes hides the control plane's latency (the
         controller dispatches it while the workers still run this one)."""
+        return self._send("train", input, target)
+
+    def evaluate(self, input, target) -> float:
+        """The mean microbatch loss of a full batch with the weights after every step sent so
+        far: the plan's forward actions alone, no backward, no update."""
+        return self._send("evaluate", input, target).result()
+
+    def forward(self, input):
+        """The model's output for a full batch (the last stage's output, microbatches concatenated
+        along dim 0): a tensor, or a tuple of them for a model with several outputs."""
+        outputs = self._send("forward", input, None).details().outputs
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _send(self, mode: str, input, target) -> StepFuture:
         inputs = [tensor_to_pb(t) for t in as_leaves(input, "input")]
-        targets = [tensor_to_pb(t) for t in as_leaves(target, "target")]
+        targets = [] if target is None else [tensor_to_pb(t) for t in as_leaves(target, "target")]
         self._wait_for_window()
         with self._lock:
-            request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq)
+            request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq, mode=mode)
             self._next_seq += 1
-            future = StepFuture(self, self._client._endpoint.future("Step", request, self._client.step_timeout_s))
-            self._pending.append(future)  # _wait_for_window just dropped the finished ones
-        return future
+            future = self._client._endpoint.future("Step", request, self._client.step_timeout_s)
+            step = StepFuture(self, future, mode)
+            self._pending.append(step)  # _wait_for_window just dropped the finished ones
+        return step
 
     # Steps in flight per job: enough to hide the control plane's latency; bounded so waiting
     # steps never tie up every request thread of the controller.
@@ -146,6 +170,8 @@ class Client:
         split_points: list[int] | None = None,
         rematerialize: bool = False,
         data_plane_timeout_s: float = 60.0,
+        device: str = "cpu",
+        transport: str = "auto",
         name: str = "",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
@@ -155,11 +181,17 @@ class Client:
         at ``split_points``). ``example_input``/``example_target`` are one full batch of the
         shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b" or
         "interleaved_1f1b" (with ``virtual_stages`` model chunks per worker).
+
+        ``device`` is the kind of worker the job runs on: "cpu", or "cuda" (workers started with
+        ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
+        ``transport`` is "auto" (each edge's transport follows from placement: cuda_ipc between
+        workers on one GPU, nccl between GPUs, gloo otherwise) or one of "gloo", "cuda_ipc",
+        "nccl" forced for every edge.
         """
-        traced = trace_pipeline(model, example_input, example_target, loss_fn, microbatches)
+        exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(
-            blocks=[pb.Block(name=n, exported_program=d) for n, d in traced.blocks],
-            loss_program=traced.loss,
+            blocks=[pb.Block(name=n, exported_program=d) for n, d in exported.blocks],
+            loss_program=exported.loss,
             stages=stages,
             microbatches=microbatches,
             schedule=schedule,
@@ -168,10 +200,12 @@ class Client:
             optimizer_args_json=json.dumps(optimizer_args or {}),
             split_points=split_points or [],
             rematerialize=rematerialize,
-            input=spec_to_pb(traced.input),
-            target=spec_to_pb(traced.target),
+            input=spec_to_pb(exported.input),
+            target=spec_to_pb(exported.target),
             name=name or type(model).__name__,
             data_plane_timeout_s=data_plane_timeout_s,
+            device=device,
+            transport=transport,
         )
         reply = self._call("SubmitPipeline", program, timeout_s=600.0)
         return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))

@@ -11,11 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime._auth import create_token_file
-from runtime.client import Client, connect
-from runtime.errors import WorkerUnavailable
-
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+from atoll._auth import create_token_file
+from atoll.client import Client, connect
+from atoll.errors import WorkerUnavailable
 
 
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
@@ -33,7 +31,10 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> No
 
 
 class LocalCluster:
-    """Starts a controller and ``workers`` CPU workers with a fresh token; stops them all on exit.
+    """Starts a controller and ``workers`` workers with a fresh token; stops them all on exit.
+
+    ``devices`` gives each worker's device ("cpu", "cuda:0", ...); by default all are CPU
+    workers. Several workers may share one GPU: their edges then go over CUDA IPC.
 
     Use as a context manager. Every process is started by this object, tracked by PID, and
     stopped on exit (also when the body raises); each daemon also exits by itself if this
@@ -49,9 +50,13 @@ class LocalCluster:
         heartbeat_timeout_s: float = 5.0,
         keep_logs: bool = False,
         log_level: str = "WARNING",
+        devices: list[str] | None = None,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if devices is not None and len(devices) != workers:
+            raise ValueError(f"devices names {len(devices)} devices for {workers} workers")
+        self.devices = list(devices) if devices is not None else ["cpu"] * workers
         self.num_workers = workers
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.startup_timeout_s = startup_timeout_s
@@ -73,12 +78,11 @@ class LocalCluster:
         log = open(self.log_dir / f"{name}.log", "w")
         self._logs.append(log)
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
         env.setdefault("PYTHONUNBUFFERED", "1")
         cmd = [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "atoll.cli",
             *args,
             "--exit-with-parent",
             str(os.getpid()),
@@ -137,7 +141,7 @@ class LocalCluster:
                             "--controller",
                             self.address,
                             "--device",
-                            "cpu",
+                            self.devices[i],
                             "--token-file",
                             str(token_file),
                             "--threads",

@@ -15,16 +15,18 @@ import time
 
 import torch
 
-from runtime._actions import Action
-from runtime._executor import PipelineExecutor, StageSetup
-from runtime._graphs import BlockGraph, StageGraph, deserialize, forbid_pickle
-from runtime._grpc import Endpoint, make_server, rpc_handler
-from runtime._rpc import atoll_pb2 as pb
-from runtime._rpc import atoll_pb2_grpc as pb_grpc
-from runtime._transport import DataPlaneError, GlooTransport
-from runtime._turnstile import Turnstile
-from runtime._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
-from runtime.errors import AtollError, InvalidInput, JobFailed, NotFound
+from atoll._actions import Action
+from atoll._cuda_ipc import CudaIpcTransport
+from atoll._executor import PipelineExecutor, StageSetup
+from atoll._graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
+from atoll._grpc import Endpoint, make_server, rpc_handler
+from atoll._nccl import NcclTransport
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
+from atoll._turnstile import Turnstile
+from atoll._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
+from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
 
 log = logging.getLogger("atoll.worker")
 
@@ -57,10 +59,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         with self.turnstile.turn(request.gang_seq):
             return self._load(request)
 
+    def _use_device(self) -> None:
+        if self.device.type == "cuda":  # gRPC runs each call on a pool thread; CUDA's device is per thread
+            torch.cuda.set_device(self.device)
+
     def _load(self, request: pb.LoadPlanRequest) -> pb.LoadPlanReply:
         with self._lock:
             if request.job_id in self._jobs:
                 raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
+        self._use_device()
         stages = []
         for sp in request.stages:
             blocks = [
@@ -70,37 +77,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             stages.append(
                 StageSetup(
                     index=sp.stage,
-                    graph=StageGraph(blocks).to(self.device),
+                    graph=StageGraph(blocks).on(self.device),
                     input=spec_from_pb(sp.input),
                     output=spec_from_pb(sp.output),
                 )
             )
         loss = None
         if request.loss_program:
-            loss = BlockGraph("loss", deserialize(request.loss_program, "loss program"))
-            loss.module.to(self.device)
+            loss = BlockGraph("loss", on_device(deserialize(request.loss_program, "loss program"), self.device))
         try:
             actions = [Action.parse(a) for a in request.actions]
             recv_slots = {Action.parse(s.action): s.slot for s in request.recv_slots}
         except ValueError as e:
             raise InvalidInput(str(e)) from None
-        store = request.store_address
-        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
-            store = f"{self.controller_host}{store}"
         timeout_s = request.timeout_s or 60.0
-        transport = None
-        if request.world_size > 1:
-            try:
-                transport = GlooTransport(
-                    store_address=store,
-                    prefix=request.store_prefix,
-                    rank=request.rank,
-                    world_size=request.world_size,
-                    hostname=self.host,
-                    timeout_s=timeout_s,
-                )
-            except DataPlaneError as e:
-                raise JobFailed(str(e)) from None
         try:
             executor = PipelineExecutor(
                 rank=request.rank,
@@ -114,18 +104,62 @@ class WorkerService(pb_grpc.WorkerServicer):
                 optimizer=request.optimizer,
                 optimizer_args=json.loads(request.optimizer_args_json or "{}"),
                 rematerialize=request.rematerialize,
-                transport=transport,
+                transport=None,
                 timeout_s=timeout_s,
                 device=self.device,
             )
-        except Exception:
-            if transport is not None:
-                transport.close()
-            raise
+            if request.world_size > 1:
+                executor.transport = self._connect(request, executor, timeout_s)
+        except DataPlaneError as e:
+            raise JobFailed(str(e)) from None
         with self._lock:
             self._jobs[request.job_id] = executor
         log.info("loaded job %s as rank %d (%d actions)", request.job_id, request.rank, len(actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
+
+    def _connect(self, request: pb.LoadPlanRequest, executor: PipelineExecutor, timeout_s: float) -> PeerTransports:
+        """The transports the plan names for this rank's edges, one per peer rank.
+
+        Every rank joins the job's gloo group (it is collective: all ranks or none); NCCL and
+        CUDA IPC are set up only between the ranks whose edges use them."""
+        store = request.store_address
+        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
+            store = f"{self.controller_host}{store}"
+        peers = {p: name for p, name in enumerate(request.peer_transports) if name}
+        by_name: dict[str, object] = {}
+        try:
+            job_store = open_store(store, request.store_prefix, timeout_s)
+            by_name["gloo"] = GlooTransport(
+                store=job_store,
+                rank=request.rank,
+                world_size=request.world_size,
+                hostname=self.host,
+                timeout_s=timeout_s,
+            )
+            if "nccl" in peers.values():
+                by_name["nccl"] = NcclTransport(
+                    store=job_store, rank=request.rank, world_size=request.world_size, timeout_s=timeout_s
+                )
+            ipc_peers = [p for p, name in peers.items() if name == "cuda_ipc"]
+            if ipc_peers:
+                if self.device.type != "cuda":
+                    raise DataPlaneError(f"the plan asks for cuda_ipc on a {self.device} worker")
+                by_name["cuda_ipc"] = CudaIpcTransport(
+                    store=job_store,
+                    rank=request.rank,
+                    peers=ipc_peers,
+                    region=executor.recv_region,
+                    buffers=executor.recv_buffers,
+                    timeout_s=timeout_s,
+                )
+            unknown = sorted({n for n in peers.values()} - set(by_name))
+            if unknown:
+                raise DataPlaneError(f"the plan names transports this worker does not have: {unknown}")
+        except Exception:
+            for transport in by_name.values():
+                transport.close()
+            raise
+        return PeerTransports({p: by_name[name] for p, name in peers.items()}, list(by_name.values()))
 
     @rpc_handler
     def RunStep(self, request: pb.RunStepRequest, context):
@@ -133,11 +167,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         targets = [tensor_from_pb(t, "target") for t in request.targets] or None
         with self.turnstile.turn(request.gang_seq):
             executor = self._job(request.job_id)
+            self._use_device()
             try:
-                losses, memory = executor.run_step(inputs, targets)
+                losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train")
             except Exception as e:
                 raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
-        return pb.RunStepReply(microbatch_losses=losses, memory_json=json.dumps(memory))
+        return pb.RunStepReply(
+            microbatch_losses=losses, memory_json=json.dumps(memory), outputs=[tensor_to_pb(t) for t in outputs]
+        )
 
     @rpc_handler
     def GetState(self, request: pb.GetStateRequest, context):

@@ -3,7 +3,7 @@ import signal
 
 import pytest
 
-import runtime
+import atoll
 from tests.procs import alive, descendants
 
 
@@ -23,7 +23,7 @@ def no_stray_processes():
 @pytest.fixture(scope="session")
 def cluster4():
     """One 4-worker local cluster shared by the tests that only submit jobs to it."""
-    with runtime.LocalCluster(workers=4) as cluster:
+    with atoll.LocalCluster(workers=4) as cluster:
         yield cluster
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.gpt import GPTConfig, build_gpt, lm_loss
+from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss
 
 
 def mlp(seed: int = 0) -> tuple[nn.Module, list, callable]:
@@ -36,6 +36,17 @@ def transformer(seed: int = 0, layers: int = 4) -> tuple[nn.Module, list, callab
         (torch.randint(0, 24, (16, 16), generator=g), torch.randint(0, 24, (16, 16), generator=g)) for _ in range(5)
     ]
     return model, batches, lm_loss
+
+
+def char_gpt(
+    *, layers: int = 6, d_model: int = 64, steps: int = 3, dtype=torch.float32, seed: int = 0, batch_seed: int = 0
+) -> tuple[nn.Module, list]:
+    """The GPT example on its own corpus: the model and ``steps`` batches of 32 x 64 tokens."""
+    torch.manual_seed(seed)
+    corpus = CharCorpus()
+    model = build_gpt(GPTConfig(vocab_size=corpus.vocab_size, n_layers=layers, d_model=d_model)).to(dtype)
+    g = torch.Generator().manual_seed(batch_seed)
+    return model, [corpus.batch(32, 64, g) for _ in range(steps)]
 
 
 def submit(client, make=mlp, seed: int = 0, **pipeline_args):

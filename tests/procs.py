@@ -1,4 +1,4 @@
-"""Process bookkeeping for tests: find what the suite started (stopping is runtime.local.stop_processes)."""
+"""Process bookkeeping for tests: find what the suite started (stopping is atoll.local.stop_processes)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-import runtime
+import atoll
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 
@@ -72,7 +72,7 @@ def test_a_second_client_attaches_to_a_running_job(cluster4, client4):
             assert attached.last.step == 4
         assert later < first[0]
         # the first client's numbering is now stale: its next step is refused, not reordered
-        with pytest.raises(runtime.InvalidInput, match=r"step number 4 is already used \(4 steps have gone out\)"):
+        with pytest.raises(atoll.InvalidInput, match=r"step number 4 is already used \(4 steps have gone out\)"):
             job.step(x, y)
         assert client4.job(job.id).step(x, y) < first[0]  # attaching again picks up the numbering
     finally:

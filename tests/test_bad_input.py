@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime._auth import call_metadata
-from runtime._rpc import atoll_pb2 as pb
-from runtime._trace import trace_pipeline
-from runtime._wire import spec_to_pb
+import atoll
+from atoll._auth import call_metadata
+from atoll._export import export_pipeline
+from atoll._rpc import atoll_pb2 as pb
+from atoll._wire import spec_to_pb
 from tests import models
 
 
@@ -32,7 +32,7 @@ def still_serving(job, x, y):
 
 def test_wrong_input_shape_names_edge_and_shapes(mlp_job):
     job, x, y = mlp_job
-    with pytest.raises(runtime.InvalidInput) as err:
+    with pytest.raises(atoll.InvalidInput) as err:
         job.step(x[:30], y)
     message = str(err.value)
     assert "edge 'input'" in message
@@ -43,7 +43,7 @@ def test_wrong_input_shape_names_edge_and_shapes(mlp_job):
 def test_wrong_target_dtype_names_edge(mlp_job):
     job, x, y = mlp_job
     expected = r"edge 'target': expected float32\[32, 4\], received float64\[32, 4\]"
-    with pytest.raises(runtime.InvalidInput, match=expected):
+    with pytest.raises(atoll.InvalidInput, match=expected):
         job.step(x, y.double())
     still_serving(job, x, y)
 
@@ -65,7 +65,7 @@ def test_wrong_token_is_rejected_before_deserializing(cluster4, mlp_job):
         raw(garbage, metadata=call_metadata(cluster4.token), timeout=10)
     assert err.value.code() != grpc.StatusCode.UNAUTHENTICATED
     channel.close()
-    with runtime.connect(cluster4.address, token="wrong") as bad, pytest.raises(runtime.Unauthenticated):
+    with atoll.connect(cluster4.address, token="wrong") as bad, pytest.raises(atoll.Unauthenticated):
         bad.status()
     still_serving(job, x, y)
 
@@ -83,15 +83,15 @@ def test_workers_also_require_the_token(cluster4):
 
 
 def test_more_stages_than_live_workers(client4, mlp_job):
-    with pytest.raises(runtime.NotEnoughWorkers, match=r"needs 5 workers .* but 4 are alive"):
+    with pytest.raises(atoll.NotEnoughWorkers, match=r"needs 5 workers .* but 4 are alive"):
         models.submit(client4, stages=5, microbatches=4)
     still_serving(*mlp_job)
 
 
 def test_unknown_job_id(client4, mlp_job):
-    with pytest.raises(runtime.NotFound, match="unknown job 'no-such-job'"):
+    with pytest.raises(atoll.NotFound, match="unknown job 'no-such-job'"):
         client4.job("no-such-job")
-    with pytest.raises(runtime.NotFound, match="unknown job"):
+    with pytest.raises(atoll.NotFound, match="unknown job"):
         client4._call("Step", pb.StepRequest(job_id="no-such-job"))
     still_serving(*mlp_job)
 
@@ -102,7 +102,7 @@ def test_closed_job(client4, mlp_job):
     job.step(x, y)
     job.close()
     job.close()  # closing twice is fine
-    with pytest.raises(runtime.NotFound, match=f"job '{job.id}' was closed"):
+    with pytest.raises(atoll.NotFound, match=f"job '{job.id}' was closed"):
         job.step(x, y)
     assert job.id not in [j.job_id for j in client4.status().jobs]
     assert all(job.id not in w.jobs for w in client4.status().workers)
@@ -123,9 +123,9 @@ class _NotInOrder(nn.Module):
 
 def test_model_that_cannot_be_split(client4, mlp_job):
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    with pytest.raises(runtime.InvalidInput, match="cannot split _NotInOrder: running its top-level children"):
+    with pytest.raises(atoll.InvalidInput, match="cannot split _NotInOrder: running its top-level children"):
         client4.pipeline(_NotInOrder(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
-    with pytest.raises(runtime.InvalidInput, match="has no top-level children"):
+    with pytest.raises(atoll.InvalidInput, match="has no top-level children"):
         client4.pipeline(nn.ReLU(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
     still_serving(*mlp_job)
 
@@ -134,44 +134,44 @@ def test_bad_arguments_are_refused_by_name(client4, mlp_job):
     def submit(**kw):
         return models.submit(client4, **{"stages": 2, "microbatches": 4, **kw})
 
-    with pytest.raises(runtime.InvalidInput, match="unknown schedule 'zigzag'"):
+    with pytest.raises(atoll.InvalidInput, match="unknown schedule 'zigzag'"):
         submit(schedule="zigzag")
-    with pytest.raises(runtime.InvalidInput, match="unknown optimizer 'lion'"):
+    with pytest.raises(atoll.InvalidInput, match="unknown optimizer 'lion'"):
         submit(optimizer="lion")
-    with pytest.raises(runtime.InvalidInput, match="takes no argument 'learning_rate'"):
+    with pytest.raises(atoll.InvalidInput, match="takes no argument 'learning_rate'"):
         submit(optimizer="sgd", optimizer_args={"learning_rate": 0.1})
-    with pytest.raises(runtime.InvalidInput, match="not divisible into 5 microbatches"):
+    with pytest.raises(atoll.InvalidInput, match="not divisible into 5 microbatches"):
         submit(microbatches=5)
     still_serving(*mlp_job)
 
 
-def _program(traced, **overrides) -> pb.PipelineProgram:
+def _program(exported, **overrides) -> pb.PipelineProgram:
     program = pb.PipelineProgram(
-        blocks=[pb.Block(name=n, exported_program=d) for n, d in traced.blocks],
-        loss_program=traced.loss,
+        blocks=[pb.Block(name=n, exported_program=d) for n, d in exported.blocks],
+        loss_program=exported.loss,
         stages=2,
         microbatches=2,
         schedule="gpipe",
         optimizer="sgd",
         optimizer_args_json="{}",
-        input=spec_to_pb(traced.input),
-        target=spec_to_pb(traced.target),
+        input=spec_to_pb(exported.input),
+        target=spec_to_pb(exported.target),
     )
     for key, value in overrides.items():
         setattr(program, key, value) if not isinstance(value, list) else getattr(program, key).extend(value)
     return program
 
 
-def _small_traced():
+def _small_export():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    return trace_pipeline(model, torch.randn(4, 4), torch.randn(4, 4), F.mse_loss, 2)
+    return export_pipeline(model, torch.randn(4, 4), torch.randn(4, 4), F.mse_loss, 2)
 
 
 def test_malformed_program_is_refused(client4, mlp_job):
-    traced = _small_traced()
-    program = _program(traced)
+    exported = _small_export()
+    program = _program(exported)
     program.blocks[1].exported_program = b"this is not an archive"
-    with pytest.raises(runtime.InvalidInput, match=r"block 1 \('1'\): not a loadable torch.export archive"):
+    with pytest.raises(atoll.InvalidInput, match=r"block 1 \('1'\): not a loadable torch.export archive"):
         client4._call("SubmitPipeline", program)
     still_serving(*mlp_job)
 
@@ -199,11 +199,11 @@ def _poisoned(archive: bytes, marker: str) -> bytes:
 
 
 def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
-    traced = _small_traced()
+    exported = _small_export()
     marker = tmp_path / "pwned"
-    program = _program(traced)
-    program.blocks[0].exported_program = _poisoned(traced.blocks[0][1], str(marker))
-    with pytest.raises(runtime.InvalidInput, match="arbitrary pickled objects are refused"):
+    program = _program(exported)
+    program.blocks[0].exported_program = _poisoned(exported.blocks[0][1], str(marker))
+    with pytest.raises(atoll.InvalidInput, match="arbitrary pickled objects are refused"):
         client4._call("SubmitPipeline", program)
     # and a worker handed the same archive directly refuses it too
     worker = client4.status().workers[0]

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from runtime.local import stop_processes as stop
+from atoll.local import stop_processes as stop
 from tests.procs import wait_for_file
 
 ROOT = Path(__file__).resolve().parent.parent
-ATOLL = [sys.executable, "-m", "runtime.cli"]
+ATOLL = [sys.executable, "-m", "atoll.cli"]
 
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.nn as nn, torch.nn.functional as F
-    import runtime
+    import atoll
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
     x, y = torch.randn(16, 8), torch.randn(16, 1)
-    client = runtime.connect(sys.argv[1], token_file=sys.argv[2])
+    client = atoll.connect(sys.argv[1], token_file=sys.argv[2])
     job = client.pipeline(model, example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2,
                           microbatches=2, optimizer="sgd", optimizer_args={"lr": 0.1}, name="by-hand")
     losses = [job.step(x, y) for _ in range(5)]
@@ -113,7 +113,7 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
     import torch.nn.functional as F
     from torch import nn
 
-    import runtime
+    import atoll
 
     token = tmp_path / "token"
 
@@ -165,7 +165,7 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
 
     port = int(address.rsplit(":", 1)[1])  # the same address the worker knows
     start_controller(port, "second")
-    client = runtime.connect(address, token_file=str(token))
+    client = atoll.connect(address, token_file=str(token))
     deadline = time.monotonic() + 30
     while not any(w.alive for w in client.status().workers):
         assert time.monotonic() < deadline, "the worker did not register with the new controller"

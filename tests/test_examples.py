@@ -25,7 +25,7 @@ def test_main_job_trains_and_the_loss_falls():
 
 def test_atoll_plan_prints_the_plan_without_a_cluster():
     run = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "plan", "examples/gpt_plan.py", "--schedule", "gpipe", "--json"],
+        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", "--schedule", "gpipe", "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,7 +42,7 @@ def test_atoll_plan_prints_the_plan_without_a_cluster():
         assert memory["peak_stashed_microbatches"] == 8
     assert plan["actions"]["3"][-1] == "3STEP"
     text = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "plan", "examples/gpt_plan.py"],
+        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py"],
         cwd=ROOT,
         capture_output=True,
         text=True,

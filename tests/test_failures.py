@@ -4,12 +4,12 @@ import time
 
 import pytest
 
-import runtime
+import atoll
 from tests import models
 
 
 def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
-    with runtime.LocalCluster(workers=3, heartbeat_timeout_s=3.0) as cluster, cluster.client() as client:
+    with atoll.LocalCluster(workers=3, heartbeat_timeout_s=3.0) as cluster, cluster.client() as client:
         job, _, batches, _ = models.submit(client, stages=2, microbatches=2, data_plane_timeout_s=5.0, name="doomed")
         x, y = batches[0]
         job.step(x, y)
@@ -18,10 +18,10 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
         index = [p.pid for p in cluster.workers].index(victim.pid)
         cluster.kill_worker(index)
 
-        with pytest.raises(runtime.JobFailed) as err:  # an error naming the dead worker, not a hang
+        with pytest.raises(atoll.JobFailed) as err:  # an error naming the dead worker, not a hang
             job.step(x, y)
         assert victim.worker_id in str(err.value)
-        with pytest.raises(runtime.JobFailed, match="has failed and must be submitted again"):
+        with pytest.raises(atoll.JobFailed, match="has failed and must be submitted again"):
             job.step(x, y)
 
         deadline = time.monotonic() + 15
@@ -41,6 +41,6 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
         losses = [survivor.step(x, y) for _ in range(3)]
         assert losses[-1] < losses[0]
         assert victim.worker_id not in next(j for j in client.status().jobs if j.job_id == survivor.id).workers
-        with pytest.raises(runtime.NotEnoughWorkers, match="needs 3 workers .* but 2 are alive"):
+        with pytest.raises(atoll.NotEnoughWorkers, match="needs 3 workers .* but 2 are alive"):
             models.submit(client, stages=3, microbatches=2)
         survivor.close()

@@ -1,20 +1,16 @@
 """Predicted memory against the workers' own accounting, on the GPT example."""
 
 import pytest
-import torch
 
-from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss
+from examples.gpt import lm_loss
+from tests import models
 
 RANKS, MICROBATCHES = 4, 8
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    torch.manual_seed(0)
-    corpus = CharCorpus()
-    model = build_gpt(GPTConfig(vocab_size=corpus.vocab_size, n_layers=6))
-    g = torch.Generator().manual_seed(0)
-    return model, [corpus.batch(32, 64, g) for _ in range(3)]
+    return models.char_gpt(layers=6, steps=3)
 
 
 def train(client, gpt, schedule, rematerialize=False):

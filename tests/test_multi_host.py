@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import runtime
-from runtime.local import stop_processes
+import atoll
+from atoll.local import stop_processes
 from tests.procs import wait_for_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,12 +68,12 @@ def test_controller_and_workers_on_three_hosts(hosts, tmp_path):
     (controller_ns, controller_ip), *worker_hosts = hosts[0]
     procs = hosts[1]
     token = tmp_path / "token"
-    atoll = [sys.executable, "-m", "runtime.cli"]
+    cli = [sys.executable, "-m", "atoll.cli"]
 
     def spawn(ns: str, *args: str, name: str) -> subprocess.Popen:
         log = open(tmp_path / f"{name}.log", "w")
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, *atoll, *args, "--ready-file", str(tmp_path / name)],
+            ["ip", "netns", "exec", ns, *cli, *args, "--ready-file", str(tmp_path / name)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -106,7 +106,7 @@ def test_controller_and_workers_on_three_hosts(hosts, tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
     x, y = torch.randn(16, 8), torch.randn(16, 1)
-    with runtime.connect(address, token_file=str(token)) as client:
+    with atoll.connect(address, token_file=str(token)) as client:
         workers = client.status().workers
         assert sorted(w.address.split(":")[0] for w in workers) == sorted(ip for _, ip in worker_hosts)
         job = client.pipeline(

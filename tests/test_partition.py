@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from controller.compiler import PipelineRequest, compile_pipeline
-from controller.partition import balanced_partition, explicit_partition
-from runtime._trace import trace_pipeline
-from runtime.errors import InvalidInput
+from atoll._export import export_pipeline
+from atoll.controller.compiler import PipelineRequest, compile_pipeline
+from atoll.controller.partition import balanced_partition, explicit_partition
+from atoll.errors import InvalidInput
 
 
 def brute_force_best(costs, parts):
@@ -51,7 +51,7 @@ def test_partition_errors():
 
 
 def _compile(model, x, y, stages, **kw):
-    traced = trace_pipeline(model, x, y, F.mse_loss, 2)
+    traced = export_pipeline(model, x, y, F.mse_loss, 2)
     return compile_pipeline(
         PipelineRequest(
             blocks=traced.blocks,

@@ -4,12 +4,12 @@ import os
 
 import pytest
 
-import runtime
+import atoll
 from tests.procs import alive, descendants
 
 
 def test_local_cluster_stops_everything_it_started():
-    with runtime.LocalCluster(workers=2) as cluster:
+    with atoll.LocalCluster(workers=2) as cluster:
         pids = cluster.pids
         assert len(pids) == 3 and all(alive(p) for p in pids)
         assert set(pids) <= set(descendants(os.getpid()))
@@ -20,7 +20,7 @@ def test_local_cluster_stops_everything_it_started():
 
 def test_local_cluster_stops_everything_when_the_body_raises():
     with pytest.raises(RuntimeError, match="boom"):
-        with runtime.LocalCluster(workers=1) as cluster:
+        with atoll.LocalCluster(workers=1) as cluster:
             pids = cluster.pids
             raise RuntimeError("boom")
     assert not any(alive(p) for p in pids)

@@ -15,6 +15,6 @@ def test_generated_modules_match_the_schema(tmp_path):
         capture_output=True,
     )
     for name in ("atoll_pb2.py", "atoll_pb2_grpc.py"):
-        fresh = (tmp_path / "runtime" / "_rpc" / name).read_text()
+        fresh = (tmp_path / "atoll" / "_rpc" / name).read_text()
         committed = (ROOT / "runtime" / "_rpc" / name).read_text()
         assert fresh == committed, f"runtime/_rpc/{name} is stale: run python proto/generate.py"

@@ -3,12 +3,12 @@
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from controller.lowering import lower
-from controller.schedules import build_schedule
-from controller.simulate import ScheduleError, simulate
-from controller.topology import Topology
-from runtime._actions import Action, Kind
-from runtime.errors import InvalidInput
+from atoll._actions import Action, Kind
+from atoll.controller.lowering import lower
+from atoll.controller.schedules import build_schedule
+from atoll.controller.simulate import ScheduleError, simulate
+from atoll.controller.topology import Topology
+from atoll.errors import InvalidInput
 
 SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
@@ -202,3 +202,14 @@ def test_topology_refuses_bad_values():
         Topology(ranks=2, virtual_stages=2, microbatches=5, schedule="interleaved_1f1b")
     topo = Topology(ranks=3, virtual_stages=2, microbatches=6, schedule="interleaved_1f1b")
     assert topo.num_stages == 6 and topo.stages_of(1) == [1, 4] and topo.stage_ranks == [0, 1, 2, 0, 1, 2]
+
+
+def test_stages_on_one_rank_hand_off_locally_golden():
+    topo = Topology(ranks=1, virtual_stages=2, microbatches=2, schedule="interleaved_1f1b")
+    lowered = lower(build_schedule(topo), topo, lambda edge: True)
+    assert " ".join(map(str, lowered.actions[0])) == "0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1 0STEP"
+    assert lowered.recv_slots[0] == {}  # no transport, no receive buffer
+    simulate(lowered.actions, topo)
+    swapped = [Action(1, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 0), *lowered.actions[0][2:]]
+    with pytest.raises(ScheduleError, match=r"rank 0 blocks at action #0 '1F0': waits for 0F0, not yet run"):
+        simulate({0: swapped}, topo)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from controller.service import ControllerService
-from runtime.errors import InvalidInput
+from atoll.controller.service import ControllerService
+from atoll.errors import InvalidInput
 
 
 @dataclass

@@ -1,7 +1,12 @@
 """The transport policy per edge (pure), and what a placed plan records."""
 
-from controller.registry import WorkerRecord
-from controller.transports import choose_transport, edge_transports
+import pytest
+
+import atoll
+from atoll.controller.registry import WorkerRecord
+from atoll.controller.transports import choose_transport, edge_transports, peer_transports
+from atoll.errors import InvalidInput
+from tests.models import submit
 
 
 def worker(device: str, host: str = "a", gpu: str = "") -> WorkerRecord:
@@ -35,3 +40,33 @@ def test_placed_plan_records_a_transport_per_edge(client4):
         assert "0->1 rank 0->1 gloo" in job.plan.render()
     finally:
         job.close()
+
+
+def test_forced_transport_is_checked_against_placement():
+    gpu = worker("cuda:0", gpu="G0")
+    assert choose_transport(gpu, worker("cuda:0", gpu="G0"), "gloo") == "gloo"
+    assert choose_transport(gpu, worker("cuda:1", gpu="G1"), "nccl") == "nccl"
+    with pytest.raises(InvalidInput, match="cannot join two ranks on one GPU"):
+        choose_transport(gpu, worker("cuda:0", gpu="G0"), "nccl")
+    with pytest.raises(InvalidInput, match="needs both ends on one GPU"):
+        choose_transport(gpu, worker("cuda:1", gpu="G1"), "cuda_ipc")
+    with pytest.raises(InvalidInput, match="needs CUDA workers at both ends"):
+        choose_transport(worker("cpu"), gpu, "nccl")
+
+
+def test_peer_table_is_symmetric_and_skips_a_rank_talking_to_itself():
+    gpus = [worker("cuda:0", gpu="G0"), worker("cuda:0", gpu="G0"), worker("cuda:1", gpu="G1")]
+    edges = edge_transports([0, 1, 2, 2], gpus)
+    table = peer_transports(edges, 3)
+    assert table == {0: ["", "cuda_ipc", ""], 1: ["cuda_ipc", "", "nccl"], 2: ["", "nccl", ""]}
+
+
+def test_a_cuda_job_on_cpu_workers_is_refused_clearly(client4):
+    with pytest.raises(atoll.NotEnoughWorkers, match="needs 2 workers of device kind 'cuda' .* but 0 are alive"):
+        submit(client4, stages=2, microbatches=2, device="cuda")
+    with pytest.raises(atoll.InvalidInput, match="transport 'nccl' needs CUDA workers"):
+        submit(client4, stages=2, microbatches=2, transport="nccl")
+    with pytest.raises(atoll.InvalidInput, match="unknown device kind 'tpu'"):
+        submit(client4, stages=2, microbatches=2, device="tpu")
+    job, *_ = submit(client4, stages=2, microbatches=2)  # the daemons keep serving
+    job.close()

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from runtime._turnstile import Turnstile
-from runtime.errors import InvalidInput
+from atoll._turnstile import Turnstile
+from atoll.errors import InvalidInput
 
 
 def run_all(turnstile, seqs, hold_s=0.0):

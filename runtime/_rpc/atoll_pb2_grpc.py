@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runtime._rpc import atoll_pb2 as runtime_dot___rpc_dot_atoll__pb2
+from atoll._rpc import atoll_pb2 as atoll_dot___rpc_dot_atoll__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in runtime/_rpc/atoll_pb2_grpc.py depends on'
+        + ' but the generated code in atoll/_rpc/atoll_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class ControllerStub:
         """
         self.RegisterWorker = channel.unary_unary(
                 '/atoll.v1.Controller/RegisterWorker',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/atoll.v1.Controller/Heartbeat',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.HeartbeatReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.SubmitPipeline = channel.unary_unary(
                 '/atoll.v1.Controller/SubmitPipeline',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.PipelineProgram.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.SubmitReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.PipelineProgram.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.SubmitReply.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/atoll.v1.Controller/Step',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.StepRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.StepReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.StepRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StepReply.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Controller/GetState',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
                 _registered_method=True)
         self.GetPlan = channel.unary_unary(
                 '/atoll.v1.Controller/GetPlan',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.PlanReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.PlanReply.FromString,
                 _registered_method=True)
         self.CloseJob = channel.unary_unary(
                 '/atoll.v1.Controller/CloseJob',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/atoll.v1.Controller/Status',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -132,43 +132,43 @@ def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.HeartbeatRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.HeartbeatRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.HeartbeatReply.SerializeToString,
             ),
             'SubmitPipeline': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitPipeline,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.PipelineProgram.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.SubmitReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.PipelineProgram.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.SubmitReply.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.StepRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.StepReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.StepRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.StepReply.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
             ),
             'GetPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlan,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.PlanReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.PlanReply.SerializeToString,
             ),
             'CloseJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseJob,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.StatusReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -196,8 +196,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/RegisterWorker',
-            runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RegisterWorkerReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/Heartbeat',
-            runtime_dot___rpc_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.HeartbeatReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/SubmitPipeline',
-            runtime_dot___rpc_dot_atoll__pb2.PipelineProgram.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.SubmitReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.PipelineProgram.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/Step',
-            runtime_dot___rpc_dot_atoll__pb2.StepRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.StepReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.StepRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/GetState',
-            runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/GetPlan',
-            runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.PlanReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.PlanReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -358,8 +358,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/CloseJob',
-            runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,8 +385,8 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/Status',
-            runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -409,28 +409,28 @@ class WorkerStub:
         """
         self.LoadPlan = channel.unary_unary(
                 '/atoll.v1.Worker/LoadPlan',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.LoadPlanRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.LoadPlanReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.LoadPlanRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.LoadPlanReply.FromString,
                 _registered_method=True)
         self.RunStep = channel.unary_unary(
                 '/atoll.v1.Worker/RunStep',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Worker/GetState',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
                 _registered_method=True)
         self.Unload = channel.unary_unary(
                 '/atoll.v1.Worker/Unload',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
         self.Ping = channel.unary_unary(
                 '/atoll.v1.Worker/Ping',
-                request_serializer=runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
-                response_deserializer=runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -472,28 +472,28 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'LoadPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadPlan,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.LoadPlanRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.LoadPlanReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.LoadPlanRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.LoadPlanReply.SerializeToString,
             ),
             'RunStep': grpc.unary_unary_rpc_method_handler(
                     servicer.RunStep,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.RunStepRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.RunStepReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepReply.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
             ),
             'Unload': grpc.unary_unary_rpc_method_handler(
                     servicer.Unload,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.JobRef.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
-                    request_deserializer=runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
-                    response_serializer=runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,8 +521,8 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/LoadPlan',
-            runtime_dot___rpc_dot_atoll__pb2.LoadPlanRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.LoadPlanReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.LoadPlanRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.LoadPlanReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -548,8 +548,8 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/RunStep',
-            runtime_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -575,8 +575,8 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/GetState',
-            runtime_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -602,8 +602,8 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/Unload',
-            runtime_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -629,8 +629,8 @@ class Worker:
             request,
             target,
             '/atoll.v1.Worker/Ping',
-            runtime_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
-            runtime_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

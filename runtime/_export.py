@@ -1,6 +1,6 @@
-"""Client-side tracing: split a model into its top-level blocks and export each with torch.export.
+"""Client-side export: split a model into its top-level blocks and export each with torch.export.
 
-The client only traces; every decision (stages, schedule, buffers) is the controller's. What
+The client only exports; every decision (stages, schedule, buffers) is the controller's. What
 leaves the client is serialized exported graphs and specs, never pickled user code.
 """
 
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime._graphs import flatten, serialize
-from runtime._wire import EdgeSpec, TensorSpec
-from runtime.errors import InvalidInput
+from atoll._graphs import flatten, serialize
+from atoll._wire import EdgeSpec, TensorSpec
+from atoll.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)
-class TracedPipeline:
+class ExportedPipeline:
     blocks: list[tuple[str, bytes]]
     loss: bytes
     input: EdgeSpec
@@ -106,17 +106,17 @@ def _export(module: nn.Module, args: tuple, what: str) -> bytes:
         raise InvalidInput(f"torch.export failed for {what}: {type(e).__name__}: {e}") from None
 
 
-def trace_pipeline(model: nn.Module, example_input, example_target, loss_fn, microbatches: int) -> TracedPipeline:
+def export_pipeline(model: nn.Module, example_input, example_target, loss_fn, microbatches: int) -> ExportedPipeline:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise InvalidInput(f"microbatches must be a positive integer, got {microbatches!r}")
     blocks = top_level_blocks(model, example_input)
     x = _microbatch(example_input, microbatches, "example_input")
     target = _microbatch(example_target, microbatches, "example_target")
-    traced = []
+    exported = []
     for name, block in blocks:
-        traced.append((name, _export(block, (x,), f"block '{name}'")))
+        exported.append((name, _export(block, (x,), f"block '{name}'")))
         with torch.no_grad():
             x = block(x)
     loss = _export(_Loss(loss_fn), (x, target), "loss_fn")
     spec = lambda value, what: EdgeSpec(what, tuple(TensorSpec.of(t) for t in as_leaves(value, what)))  # noqa: E731
-    return TracedPipeline(traced, loss, spec(example_input, "input"), spec(example_target, "target"))
+    return ExportedPipeline(exported, loss, spec(example_input, "input"), spec(example_target, "target"))

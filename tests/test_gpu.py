@@ -1,0 +1,186 @@
+"""The GPU data plane on a real CUDA device: workers sharing one GPU talk over CUDA IPC, and
+training matches a single-process CUDA run of the same model. Skipped without CUDA.
+
+Tolerance: 1e-4 relative for fp32 (the brief's bar for GPU runs). The pipeline and the reference
+run the same CUDA kernels, but per-microbatch backward and cross-process gradient sums change
+the order of floating-point accumulation, and the GPU's reductions are not order-fixed.
+"""
+
+import copy
+import datetime
+import json
+
+import pytest
+import torch
+
+import atoll
+from examples.gpt import lm_loss
+from tests import models
+from tests.reference import assert_matches_reference, relative_error, train_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+RANKS, MICROBATCHES = 4, 8
+GPU_RTOL = 1e-4
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """Four workers on one GPU (NCCL cannot pair ranks there; CUDA IPC can)."""
+    with atoll.LocalCluster(workers=RANKS, devices=["cuda:0"] * RANKS, threads_per_worker=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture()
+def gpu_client(gpu_cluster):
+    with gpu_cluster.client() as client:
+        yield client
+
+
+def gpt(layers: int = 6, steps: int = 5, dtype=torch.float32):
+    return models.char_gpt(layers=layers, d_model=128, steps=steps, dtype=dtype, batch_seed=1)
+
+
+def submit_gpt(client, model, batches, **kwargs):
+    x, y = batches[0]
+    return client.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=lm_loss,
+        stages=RANKS,
+        microbatches=MICROBATCHES,
+        device="cuda",
+        **kwargs,
+    )
+
+
+def train_atoll(client, model, batches, **kwargs):
+    job = submit_gpt(client, model, batches, **kwargs)
+    try:
+        losses = [job.step(x, y) for x, y in batches]
+        return job.plan, losses, job.state_dict(), job.last.memory
+    finally:
+        job.close()
+
+
+def reference_cuda(model, batches, optimizer: str, args: dict):
+    cuda_batches = [(x.cuda(), y.cuda()) for x, y in batches]
+    losses, state = train_reference(copy.deepcopy(model).cuda(), cuda_batches, lm_loss, MICROBATCHES, optimizer, args)
+    return losses, {k: v.cpu() for k, v in state.items()}
+
+
+def report(name: str, **values) -> None:
+    """One line per figure the closing note quotes (run pytest with -s to see them)."""
+    print(f"\nGPU-REPORT {name} {json.dumps(values)}")
+
+
+def test_four_workers_on_one_gpu_1f1b_over_cuda_ipc_match_single_process_cuda(gpu_client):
+    model, batches = gpt()
+    plan, losses, state, memory = train_atoll(
+        gpu_client, model, batches, schedule="1f1b", optimizer="adamw", optimizer_args=ADAMW
+    )
+    assert [e["transport"] for e in plan.report["edges"]] == ["cuda_ipc"] * (RANKS - 1)
+    assert plan.report["device"] == "cuda" and plan.report["analysis_device"] == "cuda"
+    ref_losses, ref_state = reference_cuda(model, batches, "adamw", ADAMW)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    report("parity_fp32", losses=losses, reference=ref_losses, worst_loss_rel_error=worst)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+    assert losses[-1] < losses[0]
+
+    # predicted memory: against the workers' own accounting, and next to CUDA's allocator
+    for rank in range(RANKS):
+        predicted = plan.predicted_memory[rank]["total"]
+        counted = memory[rank]["peak"]["total"]
+        allocator = memory[rank]["cuda_max_allocated"]
+        report("memory", rank=rank, predicted=predicted, counted=counted, cuda_max_allocated=allocator)
+        assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
+        # the allocator also holds temporaries the plan does not stash, so it can only see more
+        assert allocator >= 0.95 * counted, f"rank {rank}: allocator peak {allocator} < counted {counted}"
+
+
+def test_bf16_pipeline_on_one_gpu_trains(gpu_client):
+    model, batches = gpt(steps=30, dtype=torch.bfloat16)
+    plan, losses, _, _ = train_atoll(
+        gpu_client, model, batches, schedule="1f1b", optimizer="adamw", optimizer_args={"lr": 3e-3}
+    )
+    assert all("bfloat16" in s["output"] for s in plan.report["stages"][:-1])
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    report("bf16", first5=first, last5=last)
+    assert last < 0.8 * first, f"bf16 loss did not fall: {first:.3f} -> {last:.3f}"
+
+
+def test_gloo_forced_between_gpu_workers_stages_through_pinned_memory(gpu_client):
+    """The cross-host fallback for GPU edges without NCCL, run here between workers on one GPU."""
+    model, batches = gpt(layers=4, steps=3)
+    args = {"lr": 0.05, "momentum": 0.9}
+    plan, losses, state, _ = train_atoll(
+        gpu_client, model, batches, schedule="gpipe", optimizer="sgd", optimizer_args=args, transport="gloo"
+    )
+    assert [e["transport"] for e in plan.report["edges"]] == ["gloo"] * (RANKS - 1)
+    ref_losses, ref_state = reference_cuda(model, batches, "sgd", args)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+
+
+def test_nccl_cannot_be_forced_onto_one_gpu(gpu_client):
+    model, batches = gpt(layers=4, steps=1)
+    with pytest.raises(atoll.InvalidInput, match="'nccl' cannot join two ranks on one GPU"):
+        train_atoll(gpu_client, model, batches, transport="nccl")
+
+
+def test_nccl_transport_in_a_one_rank_group():
+    """One GPU allows only a one-rank NCCL group: its collective path runs (P2P needs two GPUs)."""
+    from atoll._nccl import NcclTransport
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
+    nccl = NcclTransport(
+        store=torch.distributed.PrefixStore("job/", store),
+        rank=0,
+        world_size=1,
+        timeout_s=30,
+    )
+    try:
+        x = torch.arange(8.0, device="cuda")
+        nccl.all_reduce(x).wait(30)
+        assert torch.equal(x.cpu(), torch.arange(8.0))
+    finally:
+        nccl.close()
+
+
+def test_killed_gpu_worker_fails_the_step_with_a_clear_error():
+    with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1) as cluster:
+        with cluster.client() as client:
+            model, batches = gpt(layers=2, steps=2)
+            x, y = batches[0]
+            job = client.pipeline(
+                model,
+                example_input=x,
+                example_target=y,
+                loss_fn=lm_loss,
+                stages=2,
+                microbatches=4,
+                device="cuda",
+                data_plane_timeout_s=20,
+            )
+            job.step(x, y)
+            cluster.kill_worker(1)
+            with pytest.raises(atoll.JobFailed):
+                job.step(x, y)
+
+
+def test_evaluate_and_forward_on_cuda_workers_match_the_model(gpu_client):
+    model, batches = gpt(layers=4, steps=1)
+    x, y = batches[0]
+    job = submit_gpt(gpu_client, model, batches, schedule="1f1b")
+    try:
+        loss, output = job.evaluate(x, y), job.forward(x)
+    finally:
+        job.close()
+    reference = copy.deepcopy(model).cuda()
+    with torch.no_grad():
+        chunks = zip(x.cuda().chunk(MICROBATCHES), y.cuda().chunk(MICROBATCHES))
+        ref_loss = float(sum(lm_loss(reference(xm), ym) for xm, ym in chunks) / MICROBATCHES)
+        ref_output = reference(x.cuda()).cpu()
+    assert abs(loss - ref_loss) <= GPU_RTOL * abs(ref_loss), f"evaluate {loss} vs {ref_loss}"
+    assert relative_error(output, ref_output) <= GPU_RTOL
