@@ -80,7 +80,7 @@ class AtollSide:
             device=args.device,
         )
         self.batches, self.args, self.next = batches, args, 0
-        self.stage_blocks = [[int(b) for b in s["blocks"]] for s in self.job.plan.report["stages"]]
+        self.stage_blocks = [[int(b) for b in s["modules"]] for s in self.job.plan.report["stages"]]
         self.run(args.warmup)
 
     def run(self, steps: int, pipelined: bool = False) -> tuple[float, float]:

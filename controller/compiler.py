@@ -1,8 +1,11 @@
 """The compiler: a submitted pipeline program -> a plan that is known in full before it runs.
 
-Passes, in order: analyze blocks (specs, cost on fake tensors) -> check the chain of edges -> partition
-into stages by cost -> build the schedule (data) -> lower it (SEND/RECV, receive slots) ->
-simulate it (deadlocks, timeline) -> predict each worker's peak memory.
+Passes, in order: split the exported model into stages and the dataflow graph between them
+(controller.split: at submodule boundaries, balanced by cost) -> analyze each stage program (specs,
+cost on fake tensors) -> build the schedule (data) -> lower it per edge (SEND/RECV or local
+hand-off, receive slots, REDUCE_GRAD for tied parameters) -> simulate it (deadlocks, timeline) ->
+predict each worker's peak memory. Placement on workers comes after (controller.service), and
+picks each edge's transport (controller.transports).
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll._dataflow import BATCH, Dataflow, Routes
 from atoll._graphs import BlockGraph, StageGraph, deserialize
 from atoll._optim import validate_optimizer
 from atoll._wire import EdgeSpec, TensorSpec
 from atoll.controller import memory_plan
 from atoll.controller.lowering import Lowered, lower
-from atoll.controller.partition import balanced_partition, explicit_partition
-from atoll.controller.program import BlockInfo, analyze_block, analyze_loss, check_chain
+from atoll.controller.program import StageInfo, analyze_loss, analyze_stage
 from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import Timeline, simulate
+from atoll.controller.split import split_model
 from atoll.controller.topology import Topology
 from atoll.errors import InvalidInput
 
@@ -28,10 +32,10 @@ from atoll.errors import InvalidInput
 class PipelineRequest:
     """A submitted pipeline program, decoded from the wire."""
 
-    blocks: list[tuple[str, bytes]]
-    """(name, serialized exported program) per top-level block, in execution order."""
+    model: bytes
+    """The whole model, serialized with torch.export at the microbatch shape."""
     loss: bytes
-    """Serialized exported loss program: (last block output, target microbatch) -> scalar."""
+    """Serialized exported loss program: (model output, target microbatch) -> scalar."""
     ranks: int
     """Pipeline ranks, one worker each."""
     microbatches: int
@@ -48,8 +52,10 @@ class PipelineRequest:
     """Optimizer name (atoll._optim.OPTIMIZERS)."""
     optimizer_args: dict = field(default_factory=dict)
     """Plain keyword arguments of the optimizer."""
-    split_points: list[int] = field(default_factory=list)
-    """Explicit indices of the first block of each stage after the first; empty: balance by cost."""
+    split_at: list[str] = field(default_factory=list)
+    """Names of the modules where stages 1, 2, ... start; empty: balance by cost."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other names of the model's shared tensors (tied weights) -> their first name."""
     rematerialize: bool = False
     """Recompute each stage's forward during backward instead of stashing its activations."""
     name: str = ""
@@ -81,20 +87,28 @@ def analysis_device(device: str) -> str:
 class CompiledStage:
     index: int
     rank: int
-    blocks: list[BlockInfo]
-    input: EdgeSpec
-    output: EdgeSpec
+    modules: tuple[str, ...]
+    info: StageInfo
     memory: memory_plan.StageMemory
 
     @property
+    def input(self) -> EdgeSpec:
+        return self.info.input
+
+    @property
+    def output(self) -> EdgeSpec:
+        return self.info.output
+
+    @property
     def forward_flops(self) -> int:
-        return sum(b.forward_flops for b in self.blocks)
+        return self.info.forward_flops
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompiledPipeline:
     request: PipelineRequest
     topology: Topology
+    dataflow: Dataflow
     stages: list[CompiledStage]
     lowered: Lowered
     timeline: Timeline
@@ -102,9 +116,19 @@ class CompiledPipeline:
     microbatch_input: EdgeSpec
     microbatch_target: EdgeSpec
 
+    @property
+    def routes(self) -> Routes:
+        return Routes(self.dataflow, self.topology.stage_ranks)
+
+    @property
+    def batch_ranks(self) -> set[int]:
+        """Ranks running a stage that reads the batch input (they are sent each step's input)."""
+        return {self.topology.rank_of(e.dst) for e in self.dataflow.edges if e.src == BATCH}
+
     def report(self, placement: dict[int, str] | None = None) -> dict:
-        """The plan as plain data: placement, per-rank actions and grid, predicted memory."""
+        """The plan as plain data: placement, stages, edges, per-rank actions and grid, memory."""
         t = self.topology
+        routes = self.routes
         return {
             "schedule": t.schedule,
             "ranks": t.ranks,
@@ -119,7 +143,7 @@ class CompiledPipeline:
                 {
                     "stage": s.index,
                     "rank": s.rank,
-                    "blocks": [b.name for b in s.blocks],
+                    "modules": list(s.modules),
                     "input": str(s.input),
                     "output": str(s.output),
                     "forward_flops": s.forward_flops,
@@ -129,6 +153,18 @@ class CompiledPipeline:
                 }
                 for s in self.stages
             ],
+            "dataflow": [
+                {
+                    "from_stage": "input" if e.src == BATCH else e.src,
+                    "to_stage": e.dst,
+                    "tensors": str(e.spec),
+                    "kind": "batch" if e.src == BATCH else ("local" if routes.is_local(e) else "remote"),
+                    "skip": e.src != BATCH and e.dst - e.src > 1,
+                }
+                for e in self.dataflow.edges
+            ],
+            "tied_parameters": {t.name: list(t.stages) for t in self.dataflow.tied},
+            "aliases": dict(self.request.aliases),
             "actions": {str(r): [str(a) for a in acts] for r, acts in self.lowered.actions.items()},
             "grid": self.timeline.grid(),
             "predicted_bubble_fraction": self.timeline.bubble_fraction,
@@ -157,81 +193,56 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     validate_optimizer(req.optimizer, req.optimizer_args)
     if not req.data_plane_timeout_s > 0:
         raise InvalidInput(f"data_plane_timeout_s must be positive, got {req.data_plane_timeout_s}")
-    if not req.blocks:
-        raise InvalidInput("the program has no blocks")
+    if not req.model:
+        raise InvalidInput("the program has no model")
     if req.device not in DEVICE_KINDS:
         raise InvalidInput(f"unknown device kind {req.device!r} (known: {', '.join(DEVICE_KINDS)})")
     if req.transport != "auto" and req.transport not in TRANSPORTS:
         raise InvalidInput(f"unknown transport {req.transport!r} (known: auto, {', '.join(TRANSPORTS)})")
     device = analysis_device(req.device)
-    analyzed = [analyze_block(i, name, data) for i, (name, data) in enumerate(req.blocks)]
-    infos = [info for info, _ in analyzed]
-    check_chain(infos)
     mb_input = microbatch_spec(req.input, req.microbatches)
     mb_target = microbatch_spec(req.target, req.microbatches)
-    if infos[0].input.tensors != mb_input.tensors:
-        raise InvalidInput(
-            f"the first block was exported with {infos[0].input}, but a microbatch of the input is {mb_input}"
-        )
+    split = split_model(req.model, mb_input, topo.num_stages, req.split_at, req.aliases)
+    analyzed = [analyze_stage(st.index, st.program) for st in split.stages]
+    infos = [info for info, _ in analyzed]
+    _check_edges(split.dataflow, infos)
     loss = analyze_loss(req.loss, infos[-1].output, mb_target)
+    routes = Routes(split.dataflow, topo.stage_ranks)
 
-    if req.split_points:
-        ranges = explicit_partition(len(infos), req.split_points, topo.num_stages)
-    else:
-        ranges = balanced_partition([b.cost for b in infos], topo.num_stages)
-
-    def private(blocks: list[int]) -> tuple[StageGraph, BlockGraph]:
+    def private(s: int) -> tuple[StageGraph, BlockGraph]:
         """Copies the CUDA analysis may move in place; on CPU the analyzed graphs themselves."""
         if device == "cpu":
-            return StageGraph([analyzed[i][1] for i in blocks]), loss
-        fresh = [BlockGraph(infos[i].name, deserialize(infos[i].data, infos[i].name)) for i in blocks]
+            return StageGraph(analyzed[s][1]), loss
+        fresh = BlockGraph(f"stage {s}", deserialize(infos[s].data, f"stage {s}"))
         return StageGraph(fresh), BlockGraph("loss", deserialize(req.loss, "loss program"))
 
     stages = []
-    for s, blocks in enumerate(ranges):
-        graph, stage_loss = private(blocks)
+    for s in range(topo.num_stages):
+        graph, stage_loss = private(s)
         is_last = s == topo.num_stages - 1
         memory = memory_plan.measure_stage(
             graph,
-            s,
-            infos[blocks[0]].input,
+            infos[s].input,
+            _from_stages(split.dataflow, s),
             stage_loss if is_last else None,
             mb_target if is_last else None,
             req.rematerialize,
             device,
         )
         stages.append(
-            CompiledStage(
-                index=s,
-                rank=topo.rank_of(s),
-                blocks=[infos[i] for i in blocks],
-                input=infos[blocks[0]].input,
-                output=infos[blocks[-1]].output,
-                memory=memory,
-            )
+            CompiledStage(index=s, rank=topo.rank_of(s), modules=split.stages[s].modules, info=infos[s], memory=memory)
         )
 
-    def carries_grad(edge: int) -> bool:
-        return bool(stages[edge].output.differentiable)
-
-    lowered = lower(build_schedule(topo), topo, carries_grad)
-    timeline = simulate(lowered.actions, topo, carries_grad=carries_grad)
-    stage_params = {
-        s: [p for _, p in StageGraph([analyzed[i][1] for i in r]).named_parameters()] for s, r in enumerate(ranges)
-    }
+    lowered = lower(build_schedule(topo), topo, routes)
+    timeline = simulate(lowered.actions, topo, routes)
+    stage_params = {s: [p for _, p in StageGraph(analyzed[s][1]).named_parameters()] for s in range(topo.num_stages)}
     memory = memory_plan.predict(
-        topo,
-        lowered,
-        {s.index: s.memory for s in stages},
-        stage_params,
-        req.optimizer,
-        req.optimizer_args,
-        {s.index: s.input for s in stages},
-        {s.index: s.output for s in stages},
+        topo, lowered, {s.index: s.memory for s in stages}, stage_params, req.optimizer, req.optimizer_args, routes
     )
     return CompiledPipeline(
         request=req,
         topology=topo,
+        dataflow=split.dataflow,
         stages=stages,
         lowered=lowered,
         timeline=timeline,
@@ -239,3 +250,17 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         microbatch_input=mb_input,
         microbatch_target=mb_target,
     )
+
+
+def _from_stages(flow: Dataflow, stage: int) -> set[int]:
+    """Input positions of ``stage`` that another stage produces (not the batch input)."""
+    return {j for _, e in flow.incoming(stage) if e.src != BATCH for j in e.dst_indices}
+
+
+def _check_edges(flow: Dataflow, infos: list[StageInfo]) -> None:
+    """Every edge's tensors are what its producer outputs and its consumer takes at those positions."""
+    for e in flow.edges:
+        got_in = tuple(infos[e.dst].input.tensors[j] for j in e.dst_indices)
+        got_out = e.spec.tensors if e.src == BATCH else tuple(infos[e.src].output.tensors[i] for i in e.src_indices)
+        if not (got_in == got_out == e.spec.tensors):
+            raise InvalidInput(f"edge {e.spec.name}: carries {e.spec}, but its ends have {got_out} and {got_in}")

@@ -1,19 +1,24 @@
 """Lowering: compute-only schedules -> full per-rank action lists with SEND/RECV and STEP.
 
+Lowering works per edge of the dataflow graph (atoll._dataflow.Routes): a stage's RECV_F receives
+every remote edge into it (possibly from several producers: a skip edge arrives straight from its
+producer), its SEND_F sends every remote edge out of it, and RECV_B/SEND_B do the same for
+gradients. An edge between two stages on one rank is a local hand-off: no SEND/RECV, no slot; the
+executor passes the tensors in memory.
+
 Receives are posted one compute ahead of the compute that consumes them, so a transfer overlaps
 the rank's previous compute (gloo only moves the data once the receive is posted); sends are
 posted right after the compute that produces them and completed before STEP. Each receive gets a
 buffer slot, allocated once at load time and reused when the previous occupant's backward is done.
-An edge between two stages on the same rank is a local hand-off: no SEND/RECV, no slot; the
-executor passes the tensors from one stage to the next directly.
+A rank holding a tied parameter runs REDUCE_GRAD just before STEP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll._actions import Action, Kind
+from atoll._dataflow import Routes
 from atoll.controller.schedules import Schedule
 from atoll.controller.topology import Topology
 
@@ -28,36 +33,36 @@ class Lowered:
     """Per rank: slot -> (stage, RECV_F or RECV_B), i.e. which edge spec sizes the slot."""
 
 
-def _recv_of(c: Action, topo: Topology, carries_grad: Callable[[int], bool]) -> Action | None:
-    last = topo.num_stages - 1
-    if c.kind is Kind.FORWARD and c.stage > 0 and not topo.is_local(c.stage - 1):
+def _recv_of(c: Action, routes: Routes) -> Action | None:
+    if c.kind is Kind.FORWARD and routes.needs_recv_f(c.stage):
         return Action(c.stage, Kind.RECV_F, c.microbatch)
-    if c.kind is Kind.BACKWARD and c.stage < last and carries_grad(c.stage) and not topo.is_local(c.stage):
+    if c.kind is Kind.BACKWARD and routes.needs_recv_b(c.stage):
         return Action(c.stage, Kind.RECV_B, c.microbatch)
     return None
 
 
-def _sends_of(c: Action, topo: Topology, carries_grad: Callable[[int], bool]) -> list[Action]:
-    last = topo.num_stages - 1
-    if c.kind is Kind.FORWARD and c.stage < last and not topo.is_local(c.stage):
+def _sends_of(c: Action, routes: Routes) -> list[Action]:
+    if c.kind is Kind.FORWARD and routes.sends_f(c.stage):
         return [Action(c.stage, Kind.SEND_F, c.microbatch)]
-    if c.kind is Kind.BACKWARD and c.stage > 0 and carries_grad(c.stage - 1) and not topo.is_local(c.stage - 1):
+    if c.kind is Kind.BACKWARD and routes.sends_b(c.stage):
         return [Action(c.stage, Kind.SEND_B, c.microbatch)]
     return []
 
 
-def lower(schedule: Schedule, topo: Topology, carries_grad: Callable[[int], bool]) -> Lowered:
-    """``carries_grad(e)``: whether edge e (stage e -> e+1) sends a gradient back."""
+def lower(schedule: Schedule, topo: Topology, routes: Routes) -> Lowered:
     actions: dict[int, list[Action]] = {}
     for rank, computes in schedule.items():
-        recvs = [_recv_of(c, topo, carries_grad) for c in computes]
+        recvs = [_recv_of(c, routes) for c in computes]
         out: list[Action] = []
         for i, c in enumerate(computes):
             ahead = [0, 1] if i == 0 else [i + 1]
             out.extend(recvs[j] for j in ahead if j < len(computes) and recvs[j] is not None)
             out.append(c)
-            out.extend(_sends_of(c, topo, carries_grad))
-        out.append(Action(topo.stages_of(rank)[0], Kind.STEP))
+            out.extend(_sends_of(c, routes))
+        first = topo.stages_of(rank)[0]
+        if routes.reduces_on(rank):
+            out.append(Action(first, Kind.REDUCE_GRAD))
+        out.append(Action(first, Kind.STEP))
         actions[rank] = out
     recv_slots, slot_owner = {}, {}
     for rank, acts in actions.items():

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from atoll._actions import Kind
+from atoll._dataflow import Routes
 from atoll._graphs import BlockGraph, StageGraph, flatten, on_device
 from atoll._memory import MemorySnapshot, SavedTensors, storage_key
 from atoll._wire import EdgeSpec
@@ -35,15 +36,17 @@ class StageMemory:
 
 def measure_stage(
     graph: StageGraph,
-    stage: int,
     input_spec: EdgeSpec,
+    from_stages: set[int],
     loss: BlockGraph | None,
     target_spec: EdgeSpec | None,
     rematerialize: bool,
     device: str = "cpu",
 ) -> StageMemory:
     """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
-    would hold. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
+    would hold. ``from_stages``: the input positions another stage produces (received into
+    buffers or handed over from the producer's stash, so counted there); batch inputs are the
+    stage's own. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
     to fake device weights in place."""
     with fake_mode() as mode:
         graph = graph.on(device, mode)
@@ -55,9 +58,10 @@ def measure_stage(
         fake_params = [mode.from_tensor(p) for p in params]
         exclude = {storage_key(p) for p in params + fake_params}
         inputs = fake_inputs(input_spec, device)
-        if stage > 0:  # received tensors live in receive buffers, counted apart
-            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
-            exclude |= {storage_key(t) for t in inputs}
+        for i in from_stages:
+            if inputs[i].is_floating_point():
+                inputs[i].requires_grad_()
+            exclude.add(storage_key(inputs[i]))
         counter = SavedTensors(exclude)
         with counter:
             out = graph.forward(inputs)
@@ -128,13 +132,13 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
     return RankMemory(peak, peak_stashed)
 
 
-def slot_bytes(
-    lowered: Lowered, rank: int, stage_inputs: dict[int, EdgeSpec], stage_outputs: dict[int, EdgeSpec]
-) -> int:
+def buffer_bytes(lowered: Lowered, rank: int, routes: Routes) -> int:
+    """Receive slots (sized by what their RECV fills) and REDUCE_GRAD's receive buffers."""
     total = 0
     for stage, kind in lowered.slot_owner[rank].values():
-        total += stage_inputs[stage].nbytes if kind is Kind.RECV_F else stage_outputs[stage].grad_nbytes
-    return total
+        specs = routes.recv_f_specs(stage) if kind is Kind.RECV_F else routes.recv_b_specs(stage)
+        total += sum(t.nbytes for t in specs)
+    return total + sum(t.nbytes for t in routes.tied_recv_specs(rank))
 
 
 def predict(
@@ -144,8 +148,7 @@ def predict(
     stage_params: dict[int, list[torch.Tensor]],
     optimizer: str,
     optimizer_args: dict,
-    stage_inputs: dict[int, EdgeSpec],
-    stage_outputs: dict[int, EdgeSpec],
+    routes: Routes,
 ) -> dict[int, RankMemory]:
     out = {}
     for rank in range(topo.ranks):
@@ -155,6 +158,6 @@ def predict(
             lowered.actions[rank],
             {s: stage_memory[s] for s in stages},
             optimizer_state_bytes(optimizer, optimizer_args, params),
-            slot_bytes(lowered, rank, stage_inputs, stage_outputs),
+            buffer_bytes(lowered, rank, routes),
         )
     return out

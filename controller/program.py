@@ -1,5 +1,5 @@
-"""Program analysis: load the submitted blocks, derive every edge's spec from the exported graphs,
-and measure each block's cost with fake tensors (nothing real is allocated or computed).
+"""Program analysis: load each stage's exported program, derive its input and output specs from
+the graph, and measure its cost with fake tensors (nothing real is allocated or computed).
 
 Fake tensors claim the device the stage will run on, so kernels are chosen as they will be there:
 on a CPU worker, scaled_dot_product_attention takes the fused CPU kernel (which saves q, k, v and
@@ -21,9 +21,8 @@ from atoll.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)
-class BlockInfo:
+class StageInfo:
     index: int
-    name: str
     data: bytes
     """The serialized exported program, forwarded untouched to the worker that runs it."""
     input: EdgeSpec
@@ -31,13 +30,6 @@ class BlockInfo:
     forward_flops: int
     parameter_count: int
     parameter_bytes: int
-
-    @property
-    def cost(self) -> float:
-        """Training cost estimate: forward + backward (~2x forward) FLOPs, plus the optimizer's
-        few element-wise operations per parameter, so parameter-heavy, FLOP-light blocks such as
-        embeddings are not treated as free."""
-        return 3.0 * self.forward_flops + 4.0 * self.parameter_count
 
 
 def _placeholder_specs(ep: torch.export.ExportedProgram, name: str) -> EdgeSpec:
@@ -62,17 +54,16 @@ def fake_inputs(spec: EdgeSpec, device: str = "cpu") -> list[torch.Tensor]:
     return [t.empty(device) for t in spec.tensors]
 
 
-def analyze_block(index: int, name: str, data: bytes) -> tuple[BlockInfo, BlockGraph]:
-    ep = deserialize(data, f"block {index} ('{name}')")
-    graph = BlockGraph(name, ep)
-    input_spec = _placeholder_specs(ep, f"{name}.input")
+def analyze_stage(index: int, data: bytes) -> tuple[StageInfo, BlockGraph]:
+    ep = deserialize(data, f"stage {index} program")
+    graph = BlockGraph(f"stage {index}", ep)
+    input_spec = _placeholder_specs(ep, f"stage {index} input")
     params = list(graph.module.parameters())
     with fake_mode(), FlopCounterMode(display=False) as counter, torch.no_grad():
         out = graph.call_flat(fake_inputs(input_spec))
-    output_spec = EdgeSpec(f"{name}.output", tuple(TensorSpec.of(t) for t in flatten(out)))
-    info = BlockInfo(
+    output_spec = EdgeSpec(f"stage {index} output", tuple(TensorSpec.of(t) for t in flatten(out)))
+    info = StageInfo(
         index=index,
-        name=name,
         data=data,
         input=input_spec,
         output=output_spec,
@@ -90,7 +81,7 @@ def analyze_loss(data: bytes, last_output: EdgeSpec, target: EdgeSpec) -> BlockG
     expected = last_output.tensors + target.tensors
     if got.tensors != expected:
         raise InvalidInput(
-            f"loss program takes {got}, but the last block outputs {last_output} and a target microbatch is {target}"
+            f"loss program takes {got}, but the model outputs {last_output} and a target microbatch is {target}"
         )
     with fake_mode(), torch.no_grad():
         out = graph.call_flat(fake_inputs(EdgeSpec("loss.input", expected)))
@@ -101,9 +92,3 @@ def analyze_loss(data: bytes, last_output: EdgeSpec, target: EdgeSpec) -> BlockG
             f"{', '.join(str(TensorSpec.of(t)) for t in leaves)}"
         )
     return graph
-
-
-def check_chain(blocks: list[BlockInfo]) -> None:
-    for prev, nxt in zip(blocks, blocks[1:]):
-        if prev.output.tensors != nxt.input.tensors:
-            raise InvalidInput(f"block '{prev.name}' outputs {prev.output} but block '{nxt.name}' expects {nxt.input}")

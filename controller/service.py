@@ -32,7 +32,8 @@ def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
     except json.JSONDecodeError as e:
         raise InvalidInput(f"optimizer_args_json is not JSON: {e}") from None
     return PipelineRequest(
-        blocks=[(b.name, b.exported_program) for b in request.blocks],
+        model=request.model_program,
+        aliases=dict(request.aliases),
         loss=request.loss_program,
         ranks=request.stages,
         microbatches=request.microbatches,
@@ -42,7 +43,7 @@ def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
         virtual_stages=request.virtual_stages or 1,
         optimizer=request.optimizer or "sgd",
         optimizer_args=args,
-        split_points=list(request.split_points),
+        split_at=list(request.split_at),
         rematerialize=request.rematerialize,
         name=request.name,
         data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
@@ -141,14 +142,12 @@ class ControllerService(pb_grpc.ControllerServicer):
         topo, low = compiled.topology, compiled.lowered
         stages = [
             pb.StageProgram(
-                stage=s.index,
-                input=spec_to_pb(s.input),
-                output=spec_to_pb(s.output),
-                blocks=[pb.Block(name=b.name, exported_program=b.data) for b in s.blocks],
+                stage=s.index, input=spec_to_pb(s.input), output=spec_to_pb(s.output), exported_program=s.info.data
             )
             for s in compiled.stages
             if s.rank == rank
         ]
+        edges, tied = compiled.dataflow.to_pb()
         holds_last = topo.rank_of(topo.num_stages - 1) == rank
         return pb.LoadPlanRequest(
             job_id=job_id,
@@ -158,16 +157,18 @@ class ControllerService(pb_grpc.ControllerServicer):
             store_prefix=f"{job_id}/",
             stages=stages,
             loss_program=compiled.request.loss if holds_last else b"",
-            actions=[str(a) for a in low.actions[rank]],
+            actions=[a.to_pb() for a in low.actions[rank]],
             stage_ranks=topo.stage_ranks,
             microbatches=topo.microbatches,
             optimizer=compiled.request.optimizer,
             optimizer_args_json=json.dumps(compiled.request.optimizer_args),
             rematerialize=compiled.request.rematerialize,
             timeout_s=compiled.request.data_plane_timeout_s,
-            recv_slots=[pb.RecvSlot(action=str(a), slot=slot) for a, slot in low.recv_slots[rank].items()],
+            recv_slots=[pb.RecvSlot(action=a.to_pb(), slot=slot) for a, slot in low.recv_slots[rank].items()],
             num_stages=topo.num_stages,
             peer_transports=peers,
+            edges=edges,
+            tied=tied,
         )
 
     def _dispatch_ordered(self, calls: list[Call], timeout_s: float):
@@ -182,7 +183,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         compiled = compile_pipeline(decode_program(request))
         with self._lock:  # placement and bookkeeping are one decision
             workers = self._place(compiled.topology.ranks, compiled.request.device)
-            edges = edge_transports(compiled.topology.stage_ranks, workers, compiled.request.transport)
+            edges = edge_transports(compiled.routes, workers, compiled.request.transport)
             peers = peer_transports(edges, compiled.topology.ranks)
             job_id = f"job{next(self._job_ids)}"
             report = compiled.report({r: f"{w.worker_id} {w.address} {w.device}" for r, w in enumerate(workers)})
@@ -216,7 +217,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def Step(self, request, context):
         job = self._ready_job(request.job_id)
         topo = job.compiled.topology
-        first, last = topo.rank_of(0), topo.rank_of(topo.num_stages - 1)
+        readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
         with job.order:  # steps go out in the client's order, each as soon as its turn comes
             seq = request.seq or job.next_seq
             self._await_turn(job, seq)
@@ -238,7 +239,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                         pb.RunStepRequest(
                             job_id=job.job_id,
                             step=seq - 1,
-                            inputs=request.inputs if r == first else [],
+                            inputs=request.inputs if r in readers else [],
                             targets=request.targets if r == last else [],
                             mode=mode,
                         ),
@@ -320,7 +321,11 @@ class ControllerService(pb_grpc.ControllerServicer):
         with job.order:  # after every step the client has sent so far
             futures = self._dispatch_ordered(calls, self.step_timeout_s)
         replies = self.dispatcher.gather(calls, futures)
-        return pb.StateReply(tensors=[t for reply in replies for t in reply.tensors])
+        tensors = {t.name: t for reply in replies for t in reply.tensors}  # a tied parameter comes from each holder
+        for alias, name in job.compiled.request.aliases.items():  # the model's other names of shared tensors
+            if name in tensors:
+                tensors[alias] = pb.NamedTensor(name=alias, tensor=tensors[name].tensor)
+        return pb.StateReply(tensors=list(tensors.values()))
 
     @rpc_handler
     def GetPlan(self, request, context):

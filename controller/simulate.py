@@ -1,10 +1,12 @@
 """A simulator of lowered action lists: finds deadlocks and ordering errors before any plan is
 sent, and produces the predicted timeline (rank x time grid, bubble fraction).
 
-Its rules are the executor's: a RECV posts a receive and never blocks; a compute waits until its
-receive is posted and the peer's matching SEND has run; a SEND waits for the compute that
-produces it; STEP waits until every send of the rank has a posted receive at its peer (gloo
-completes a send only then). Times follow from those dependencies with per-action durations.
+Its rules are the executor's, per edge of the dataflow graph: a RECV posts a receive and never
+blocks; a compute waits until its receive is posted and every producer's (or, backward, every
+consumer's) matching SEND has run, and for local hand-offs until the producing compute ran on
+this rank; a SEND waits for the compute that produces it; REDUCE_GRAD waits for every rank holding
+the same tied parameters; STEP waits until every send of the rank has a posted receive at its
+peers (gloo completes a send only then). Times follow with per-action durations.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll._actions import Action, Kind
+from atoll._dataflow import Routes
 from atoll.controller.topology import Topology
 from atoll.errors import InvalidInput
 
@@ -62,47 +65,50 @@ def default_durations(action: Action) -> float:
     return {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}.get(action.kind, 0.0)
 
 
-def _peer_send(a: Action) -> Action:
-    """The SEND whose data a compute consumes."""
+def _recv_kind(a: Action) -> Kind:
+    return Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B
+
+
+def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
+    """What compute ``a`` consumes: (computes on this rank it takes over a local hand-off,
+    peers' SENDs whose data it receives)."""
+    s, m = a.stage, a.microbatch
     if a.kind is Kind.FORWARD:
-        return Action(a.stage - 1, Kind.SEND_F, a.microbatch)
-    return Action(a.stage + 1, Kind.SEND_B, a.microbatch)
+        local = [Action(e.src, Kind.FORWARD, m) for _, e in routes.local_in(s)]
+        remote = [Action(e.src, Kind.SEND_F, m) for _, e in routes.remote_in(s)]
+    else:
+        local = [Action(e.dst, Kind.BACKWARD, m) for _, e in routes.local_out(s) if e.differentiable]
+        remote = [Action(e.dst, Kind.SEND_B, m) for _, e in routes.remote_out(s) if e.differentiable]
+    return list(dict.fromkeys(local)), list(dict.fromkeys(remote))
 
 
-def _local_producer(a: Action) -> Action:
-    """The compute on the same rank whose result a compute takes over a local hand-off."""
-    if a.kind is Kind.FORWARD:
-        return Action(a.stage - 1, Kind.FORWARD, a.microbatch)
-    return Action(a.stage + 1, Kind.BACKWARD, a.microbatch)
-
-
-def _input_edge(a: Action) -> int:
-    return a.stage - 1 if a.kind is Kind.FORWARD else a.stage
-
-
-def _matching_recv(send: Action) -> Action:
+def _matching_recvs(send: Action, routes: Routes) -> list[Action]:
+    s, m = send.stage, send.microbatch
     if send.kind is Kind.SEND_F:
-        return Action(send.stage + 1, Kind.RECV_F, send.microbatch)
-    return Action(send.stage - 1, Kind.RECV_B, send.microbatch)
+        return list(dict.fromkeys(Action(e.dst, Kind.RECV_F, m) for _, e in routes.remote_out(s)))
+    return list(dict.fromkeys(Action(e.src, Kind.RECV_B, m) for _, e in routes.remote_in(s) if e.differentiable))
 
 
 def simulate(
     actions: dict[int, list[Action]],
     topo: Topology,
+    routes: Routes,
     durations: Callable[[Action], float] = default_durations,
-    carries_grad: Callable[[int], bool] = lambda edge: True,
 ) -> Timeline:
-    last = topo.num_stages - 1
     pos = {r: 0 for r in actions}
     clock = {r: 0.0 for r in actions}
     done: dict[Action, float] = {}  # compute and SEND actions -> time they finished
     posted: dict[Action, float] = {}  # RECV actions -> time posted
     consumed: set[Action] = set()
     spans: dict[int, list[Span]] = {r: [] for r in actions}
+    reduce_at = {
+        r: next((i for i, a in enumerate(acts) if a.kind is Kind.REDUCE_GRAD), None) for r, acts in actions.items()
+    }
+    reduced: dict[int, float] = {}  # rank -> time its REDUCE_GRAD finished
 
     def blocker(rank: int, a: Action) -> str | None:
         """Why ``a`` cannot run yet, or None when it can."""
-        if a.kind is not Kind.STEP and topo.rank_of(a.stage) != rank:
+        if a.kind not in (Kind.STEP, Kind.REDUCE_GRAD) and topo.rank_of(a.stage) != rank:
             return f"stage {a.stage} does not live on rank {rank}"
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
             return f"{a} is posted twice" if a in posted else None
@@ -111,44 +117,53 @@ def simulate(
                 return f"{a} runs twice"
             if a.kind is Kind.BACKWARD and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
                 return f"waits for {a.stage}F{a.microbatch}, not yet run on this rank"
-            needs_data = (a.stage > 0) if a.kind is Kind.FORWARD else (a.stage < last and carries_grad(a.stage))
-            if needs_data and topo.is_local(_input_edge(a)):
-                producer = _local_producer(a)
-                return None if producer in done else f"waits for {producer}, not yet run on this rank"
-            if needs_data:
-                recv = Action(a.stage, Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B, a.microbatch)
+            local, remote = _inputs(a, routes)
+            for producer in local:
+                if producer not in done:
+                    return f"waits for {producer}, not yet run on this rank"
+            if remote:
+                recv = Action(a.stage, _recv_kind(a), a.microbatch)
                 if recv not in posted:
                     return f"its receive {recv} is not posted before it"
-                send = _peer_send(a)
-                if send not in done:
-                    return f"waits for {send} on rank {topo.rank_of(send.stage)}"
+                for send in remote:
+                    if send not in done:
+                        return f"waits for {send} on rank {topo.rank_of(send.stage)}"
             return None
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
             if a in done:
                 return f"{a} is sent twice"
             source = Action(a.stage, Kind.FORWARD if a.kind is Kind.SEND_F else Kind.BACKWARD, a.microbatch)
             return None if source in done else f"sends the result of {source}, which has not run"
+        if a.kind is Kind.REDUCE_GRAD:  # a collective of the ranks holding tied parameters
+            for peer in sorted(routes.tied_peers(rank)):
+                if reduce_at.get(peer) is None:
+                    return f"rank {peer} holds a tied parameter but runs no REDUCE_GRAD"
+                if pos[peer] < reduce_at[peer]:
+                    return f"waits for rank {peer} to reach its REDUCE_GRAD"
+            return None
         # STEP: every send of this rank must have been received by its peer
         for s in (x for x in actions[rank][: pos[rank]] if x.kind in (Kind.SEND_F, Kind.SEND_B)):
-            if _matching_recv(s) not in posted:
-                return f"its send {s} has no receive posted by rank {topo.rank_of(_matching_recv(s).stage)}"
+            for recv in _matching_recvs(s, routes):
+                if recv not in posted:
+                    return f"its send {s} has no receive posted by rank {topo.rank_of(recv.stage)}"
         return None
 
     def run(rank: int, a: Action) -> None:
         start = clock[rank]
         if a.kind in (Kind.FORWARD, Kind.BACKWARD):
-            needs_data = (a.stage > 0) if a.kind is Kind.FORWARD else (a.stage < last and carries_grad(a.stage))
-            if needs_data and topo.is_local(_input_edge(a)):
-                start = max(start, done[_local_producer(a)])
-            elif needs_data:
-                send = _peer_send(a)
-                start = max(start, done[send])
-                consumed.add(Action(a.stage, Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B, a.microbatch))
+            local, remote = _inputs(a, routes)
+            start = max([start, *(done[x] for x in local + remote)])
+            if remote:
+                consumed.add(Action(a.stage, _recv_kind(a), a.microbatch))
             end = start + durations(a)
             spans[rank].append(Span(start, end, a))
             done[a] = end
         elif a.kind in (Kind.RECV_F, Kind.RECV_B):
             posted[a], end = start, start
+        elif a.kind is Kind.REDUCE_GRAD:
+            peers = routes.tied_peers(rank)
+            start = max([start, *(reduced.get(p, clock[p]) for p in peers)])
+            end = reduced[rank] = start + durations(a)
         else:
             end = start + durations(a)
             if a.kind is not Kind.STEP:
@@ -174,12 +189,15 @@ def simulate(
             for r, i in stuck.items()
         ]
         raise ScheduleError("schedule deadlocks:\n  " + "\n  ".join(lines))
-    _check_complete(actions, topo, done, posted, consumed)
+    _check_complete(actions, topo, routes, done, posted, consumed)
     return Timeline(spans, max(clock.values(), default=0.0))
 
 
-def _check_complete(actions, topo, done, posted, consumed) -> None:
+def _check_complete(actions, topo, routes, done, posted, consumed) -> None:
     problems = []
+    for rank, acts in actions.items():
+        if routes.reduces_on(rank) and not any(a.kind is Kind.REDUCE_GRAD for a in acts):
+            problems.append(f"rank {rank} holds a tied parameter but never runs REDUCE_GRAD")
     for s in range(topo.num_stages):
         for m in range(topo.microbatches):
             for kind in (Kind.FORWARD, Kind.BACKWARD):

@@ -56,11 +56,6 @@ class Topology:
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
 
-    def is_local(self, edge: int) -> bool:
-        """Whether edge ``edge`` (stage edge -> edge+1) joins two stages on one rank: a local
-        hand-off, with no transport (e.g. an interleaved schedule on one rank)."""
-        return self.rank_of(edge) == self.rank_of(edge + 1)
-
     def stages_of(self, rank: int) -> list[int]:
         return [rank + chunk * self.ranks for chunk in range(self.virtual_stages)]
 

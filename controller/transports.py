@@ -15,6 +15,9 @@ without NCCL, or to measure one path against another; a forced choice that canno
 
 from __future__ import annotations
 
+from itertools import combinations
+
+from atoll._dataflow import BATCH, Routes
 from atoll.controller.registry import WorkerRecord
 from atoll.errors import InvalidInput
 
@@ -38,15 +41,20 @@ def choose_transport(src: WorkerRecord, dst: WorkerRecord, forced: str = "auto")
     return forced
 
 
-def edge_transports(stage_ranks: list[int], workers: list[WorkerRecord], forced: str = "auto") -> list[dict]:
-    """One entry per edge (stage s -> s+1): the ranks at its ends and its transport ("local" when
-    both ends are one rank)."""
+def edge_transports(routes: Routes, workers: list[WorkerRecord], forced: str = "auto") -> list[dict]:
+    """One entry per pair of stages that exchange tensors (a dataflow edge, or a tied parameter's
+    gradients): the ranks at its ends and its transport ("local" when both ends are one rank)."""
+    pairs = [(e.src, e.dst, e.spec.name) for e in routes.flow.edges if e.src != BATCH]
+    for t in routes.flow.tied:
+        pairs += [(a, b, f"tied {t.name}") for a, b in combinations(t.stages, 2)]  # each holder with each
     out = []
-    for s in range(len(stage_ranks) - 1):
-        a, b = stage_ranks[s], stage_ranks[s + 1]
+    for src, dst, name in pairs:
+        a, b = routes.stage_ranks[src], routes.stage_ranks[dst]
         # two stages on one rank hand tensors over in memory (controller/lowering.py)
         transport = "local" if a == b else choose_transport(workers[a], workers[b], forced)
-        out.append({"edge": s, "from_rank": a, "to_rank": b, "transport": transport})
+        out.append(
+            {"edge": name, "from_stage": src, "to_stage": dst, "from_rank": a, "to_rank": b, "transport": transport}
+        )
     return out
 
 

@@ -16,19 +16,35 @@ import torch
 import torch.utils._pytree as pytree
 
 from atoll._actions import STEP_MODES, Action, Kind
+from atoll._dataflow import Routes
 from atoll._graphs import BlockGraph, StageGraph, flatten
 from atoll._memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
 from atoll._optim import build_optimizer
 from atoll._transport import DataPlaneError, Handle, Transport
-from atoll._wire import EdgeSpec
+from atoll._wire import EdgeSpec, TensorSpec
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 MAX_TENSORS_PER_EDGE = 64
 
 
+MAX_RANKS = 4096
+
+
 def edge_tag(edge: int, microbatch: int, microbatches: int, direction: int, index: int) -> int:
-    """Unique data-plane tag of one tensor crossing edge ``edge`` (stage edge -> edge+1)."""
+    """Unique data-plane tag of the ``index``-th tensor of dataflow edge ``edge`` (its position in
+    ``Dataflow.edges``) for one microbatch and direction."""
     return ((edge * microbatches + microbatch) * 2 + direction) * MAX_TENSORS_PER_EDGE + index
+
+
+def tied_tag(num_edges: int, microbatches: int, group: int, sender: int) -> int:
+    """Tag of one rank's gradient of one tied parameter; above every edge tag of the job."""
+    return edge_tag(num_edges, 0, microbatches, 0, 0) + group * MAX_RANKS + sender
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A stage input made by another stage: cut from the producer's graph, collecting its gradient."""
+    t = t.detach()
+    return t.requires_grad_() if t.is_floating_point() else t
 
 
 class ActionFailed(RuntimeError):
@@ -43,13 +59,20 @@ class _Stash:
 
 
 @dataclass(slots=True)
+class _InputGrads:
+    by_position: dict[int, torch.Tensor]
+    readers: int
+    """Producers still to take them: one per local edge in, one SEND_B for all remote edges."""
+
+
+@dataclass(slots=True)
 class _StepState:
     mode: str
     input_mbs: list[list[torch.Tensor]] | None
     target_mbs: list[list[torch.Tensor]] | None
     pending_recvs: dict[Action, tuple[list[torch.Tensor], list[Handle]]] = field(default_factory=dict)
     stash: dict[tuple[int, int], _Stash] = field(default_factory=dict)
-    input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], _InputGrads] = field(default_factory=dict)
     sends: list[Handle] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -78,8 +101,7 @@ class PipelineExecutor:
         rank: int,
         stages: list[StageSetup],
         loss: BlockGraph | None,
-        num_stages: int,
-        stage_ranks: list[int],
+        routes: Routes,
         microbatches: int,
         actions: list[Action],
         recv_slots: dict[Action, int],
@@ -93,15 +115,16 @@ class PipelineExecutor:
         self.rank = rank
         self.stages = {s.index: s for s in stages}
         self.loss = loss
-        self.num_stages = num_stages
-        self.stage_ranks = stage_ranks
+        self.routes = routes
+        self.flow = routes.flow
+        self.stage_ranks = routes.stage_ranks
         self.microbatches = microbatches
         self.actions = actions
         self.rematerialize = rematerialize
         self.transport = transport
         self.timeout_s = timeout_s
         self.device = device
-        self.last_stage = num_stages - 1
+        self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
         self.params = [p for s in stages for _, p in s.graph.named_parameters()]
         # a stage without parameters (an activation, a reshape) has nothing to optimize
@@ -109,51 +132,60 @@ class PipelineExecutor:
         self.recv_slots = recv_slots
         self.recv_region: torch.Tensor | None = None
         """On CUDA: one allocation holding every receive buffer, exported once to cuda_ipc peers."""
-        self.slots = self._allocate_slots(recv_slots)
-        self.recv_buffers = [t for slot in sorted(self.slots) for t in self.slots[slot]]
-        # storages counted in their own categories, never as stashed activations
-        self._not_activations = {storage_key(t) for t in self.params} | {
-            storage_key(t) for bufs in self.slots.values() for t in bufs
+        # per tied parameter held here: its copies on this rank, and a buffer per other holder
+        self.tied = {
+            g: [dict(self.stages[s].graph.named_parameters())[t.name] for s in t.stages if s in self.stages]
+            for g, t in enumerate(self.flow.tied)
+            if rank in routes.tied_ranks[g]
         }
+        tied_specs = {
+            ("tied", g, r): [self.flow.tied[g].spec] for g in self.tied for r in routes.tied_ranks[g] if r != rank
+        }
+        buffers = self._allocate({**self._slot_specs(recv_slots), **tied_specs})
+        self.slots = {k: v for k, v in buffers.items() if isinstance(k, int)}
+        self.tied_buffers = {k[1:]: v[0] for k, v in buffers.items() if not isinstance(k, int)}
+        self.recv_buffers = [t for key in sorted(buffers, key=str) for t in buffers[key]]
+        # storages counted in their own categories, never as stashed activations
+        self._not_activations = {storage_key(t) for t in self.params} | {storage_key(t) for t in self.recv_buffers}
         self.parameter_bytes = storage_bytes(self.params)
-        self.buffer_bytes = sum(t.nbytes for bufs in self.slots.values() for t in bufs)
+        self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
         self.optimizer_bytes = 0
         self.failure = ""
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
 
     # ------------------------------------------------------------------ load time
 
-    def _allocate_slots(self, recv_slots: dict[Action, int]) -> dict[int, list[torch.Tensor]]:
+    def _slot_specs(self, recv_slots: dict[Action, int]) -> dict[int, list[TensorSpec]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
-        specs_of: dict[int, list] = {}
+        specs_of: dict[int, list[TensorSpec]] = {}
         for action, slot in recv_slots.items():
-            specs = self._recv_specs(action)
-            if slot in specs_of:
-                if [t.shape for t in specs_of[slot]] != [s.shape for s in specs]:
-                    raise ValueError(f"plan reuses receive slot {slot} for {action} with another shape")
-                continue
+            if action.kind is Kind.RECV_F:
+                specs = self.routes.recv_f_specs(action.stage)
+            elif action.kind is Kind.RECV_B:
+                specs = self.routes.recv_b_specs(action.stage)
+            else:
+                raise ValueError(f"plan gives a receive slot to {action}, which receives nothing")
+            if slot in specs_of and [t.shape for t in specs_of[slot]] != [t.shape for t in specs]:
+                raise ValueError(f"plan reuses receive slot {slot} for {action} with another shape")
             specs_of[slot] = specs
+        return specs_of
+
+    def _allocate(self, specs_of: dict) -> dict:
         if self.device.type != "cuda":
-            return {slot: [s.empty(self.device) for s in specs] for slot, specs in specs_of.items()}
+            return {key: [s.empty(self.device) for s in specs] for key, specs in specs_of.items()}
         # one region, so cuda_ipc peers open a single handle (see runtime/_cuda_ipc.py)
         align = 256
         offsets, total = [], 0
-        for slot in sorted(specs_of):
-            for spec in specs_of[slot]:
-                offsets.append((slot, spec, total))
+        for key in sorted(specs_of, key=str):
+            for spec in specs_of[key]:
+                offsets.append((key, spec, total))
                 total += -(-spec.nbytes // align) * align
         self.recv_region = torch.empty(max(total, align), dtype=torch.uint8, device=self.device)
-        slots: dict[int, list[torch.Tensor]] = {slot: [] for slot in specs_of}
-        for slot, spec, offset in offsets:
+        out: dict = {key: [] for key in specs_of}
+        for key, spec, offset in offsets:
             raw = self.recv_region[offset : offset + spec.nbytes]
-            slots[slot].append(raw.view(spec.torch_dtype).view(spec.shape))
-        return slots
-
-    def _recv_specs(self, action: Action):
-        stage = self.stages[action.stage]
-        if action.kind is Kind.RECV_F:
-            return list(stage.input.tensors)
-        return [stage.output.tensors[i] for i in stage.output.differentiable]
+            out[key].append(raw.view(spec.torch_dtype).view(spec.shape))
+        return out
 
     # ------------------------------------------------------------------ one step
 
@@ -233,39 +265,30 @@ class PipelineExecutor:
         state.meter.observe(snap, len(state.stash))
 
     def _run(self, action: Action, state: _StepState) -> None:
-        kind = action.kind
-        if kind is Kind.RECV_F or kind is Kind.RECV_B:
-            self._post_recv(action, state)
-        elif kind is Kind.FORWARD:
-            self._forward(action, state)
-        elif kind is Kind.SEND_F:
-            self._send_forward(action, state)
-        elif kind is Kind.BACKWARD:
-            self._backward(action, state)
-        elif kind is Kind.SEND_B:
-            self._send_backward(action, state)
-        elif kind is Kind.STEP:
-            self._optimizer_step(state)
-        else:  # pragma: no cover - Kind is closed
-            raise ValueError(f"unknown action kind {kind}")
+        self._handlers[action.kind](self, action, state)
 
     # ------------------------------------------------------------------ communication
 
     def _post_recv(self, action: Action, state: _StepState) -> None:
         if action in state.pending_recvs:
             raise RuntimeError(f"{action} posted twice in one step")
-        buffers = self.slots[self.recv_slots[action]]
+        buffers = iter(self.slots[self.recv_slots[action]])
         s, m = action.stage, action.microbatch
+        handles = []
         if action.kind is Kind.RECV_F:
-            peer, edge, direction, indices = self.stage_ranks[s - 1], s - 1, FORWARD_DIRECTION, range(len(buffers))
+            for edge_id, e in self.routes.remote_in(s):
+                for i in range(len(e.spec.tensors)):
+                    tag = edge_tag(edge_id, m, self.microbatches, FORWARD_DIRECTION, i)
+                    handles.append((next(buffers), self.stage_ranks[e.src], tag))
         else:
-            peer, edge, direction = self.stage_ranks[s + 1], s, BACKWARD_DIRECTION
-            indices = self.stages[s].output.differentiable
-        handles = [
-            self.transport.recv(buf, peer, edge_tag(edge, m, self.microbatches, direction, i))
-            for buf, i in zip(buffers, indices)
-        ]
-        state.pending_recvs[action] = (buffers, handles)
+            for edge_id, e in self.routes.remote_out(s):
+                for i in e.differentiable:
+                    tag = edge_tag(edge_id, m, self.microbatches, BACKWARD_DIRECTION, i)
+                    handles.append((next(buffers), self.stage_ranks[e.dst], tag))
+        state.pending_recvs[action] = (
+            [buf for buf, _, _ in handles],
+            [self.transport.recv(buf, peer, tag) for buf, peer, tag in handles],
+        )
 
     def _take_recv(self, action: Action, state: _StepState) -> list[torch.Tensor]:
         try:
@@ -280,46 +303,63 @@ class PipelineExecutor:
         stash = state.stash.get((s, m))
         if stash is None:
             raise RuntimeError(f"{action} before {s}F{m}")
-        peer = self.stage_ranks[s + 1]
-        for i, out in enumerate(stash.outputs):
-            tag = edge_tag(s, m, self.microbatches, FORWARD_DIRECTION, i)
-            state.sends.append(self.transport.send(out.detach().contiguous(), peer, tag))
+        for edge_id, e in self.routes.remote_out(s):
+            for i, src_index in enumerate(e.src_indices):
+                tag = edge_tag(edge_id, m, self.microbatches, FORWARD_DIRECTION, i)
+                out = stash.outputs[src_index].detach().contiguous()
+                state.sends.append(self.transport.send(out, self.stage_ranks[e.dst], tag))
 
     def _send_backward(self, action: Action, state: _StepState) -> None:
         s, m = action.stage, action.microbatch
-        grads = state.input_grads.pop((s, m), None)
-        if grads is None:
-            raise RuntimeError(f"{action} before {s}B{m}")
-        peer = self.stage_ranks[s - 1]
-        for i, grad in zip(self.stages[s].input.differentiable, grads):
-            tag = edge_tag(s - 1, m, self.microbatches, BACKWARD_DIRECTION, i)
-            state.sends.append(self.transport.send(grad.contiguous(), peer, tag))
+        grads = self._read_input_grads(s, m, action, state)
+        for edge_id, e in self.routes.remote_in(s):
+            for i in e.differentiable:
+                tag = edge_tag(edge_id, m, self.microbatches, BACKWARD_DIRECTION, i)
+                grad = grads[e.dst_indices[i]].contiguous()
+                state.sends.append(self.transport.send(grad, self.stage_ranks[e.src], tag))
+
+    def _read_input_grads(self, s: int, m: int, reader, state: _StepState) -> dict[int, torch.Tensor]:
+        held = state.input_grads.get((s, m))
+        if held is None:
+            raise RuntimeError(f"{reader} takes the input gradients of {s}B{m}, which has not run here")
+        held.readers -= 1
+        if held.readers == 0:
+            del state.input_grads[(s, m)]
+        return held.by_position
 
     # ------------------------------------------------------------------ compute
 
-    def _is_local(self, edge: int) -> bool:
-        """Stages ``edge`` and ``edge + 1`` both run here: a local hand-off, no transport."""
-        return self.stage_ranks[edge] == self.stage_ranks[edge + 1]
-
     def _stage_inputs(self, action: Action, state: _StepState) -> list[torch.Tensor]:
+        """The stage's flat inputs, each from its edge: the batch, a local producer's stash, or
+        this microbatch's receive buffers. Inputs made by another stage become leaves that
+        collect the gradient to send back."""
         s, m = action.stage, action.microbatch
-        if s == 0:
-            return list(state.input_mbs[m])
-        if self._is_local(s - 1):
-            producer = state.stash.get((s - 1, m))
+        inputs: list[torch.Tensor | None] = [None] * len(self.stages[s].input.tensors)
+        for _, e in self.routes.batch_in(s):
+            if state.input_mbs is None:
+                raise RuntimeError(f"{action} reads the batch input, which this rank was not sent")
+            for i, j in zip(e.src_indices, e.dst_indices):
+                inputs[j] = state.input_mbs[m][i]
+        for _, e in self.routes.local_in(s):
+            producer = state.stash.get((e.src, m))
             if producer is None:
-                raise RuntimeError(f"{action} takes the output of {s - 1}F{m}, which has not run on this rank")
-            received = [t.detach() for t in producer.outputs]
-        else:
-            received = self._take_recv(Action(s, Kind.RECV_F, m), state)
-        return [buf.detach().requires_grad_() if buf.is_floating_point() else buf for buf in received]
+                raise RuntimeError(f"{action} takes the output of {e.src}F{m}, which has not run on this rank")
+            for i, j in zip(e.src_indices, e.dst_indices):
+                inputs[j] = _leaf(producer.outputs[i])
+        if self.routes.needs_recv_f(s):
+            received = iter(self._take_recv(Action(s, Kind.RECV_F, m), state))
+            for _, e in self.routes.remote_in(s):
+                for j in e.dst_indices:
+                    inputs[j] = _leaf(next(received))
+        return inputs
 
     def _counter(self, s: int, inputs: list[torch.Tensor]) -> SavedTensors:
         """Counts what a stage saves. A handed-off input is its producer's stashed output, counted
         there (as a received input is counted as a buffer), so it is not counted again."""
-        if s > 0 and self._is_local(s - 1):
-            return SavedTensors(self._not_activations | {storage_key(t) for t in inputs})
-        return SavedTensors(self._not_activations)
+        local = self.routes.local_in(s)
+        if not local:
+            return SavedTensors(self._not_activations)
+        return SavedTensors(self._not_activations | {storage_key(inputs[j]) for _, e in local for j in e.dst_indices})
 
     def _run_stage(self, s: int, m: int, inputs: list[torch.Tensor], state: _StepState) -> list[torch.Tensor]:
         out = self.stages[s].graph.forward(inputs)
@@ -353,6 +393,26 @@ class PipelineExecutor:
         state.stash[(s, m)] = _Stash(inputs, outputs, counter.nbytes)
         state.activation_bytes += counter.nbytes
 
+    def _output_grads(self, action: Action, state: _StepState) -> dict[int, torch.Tensor]:
+        """Gradient of each output of a stage, summed over every edge that carried it away."""
+        s, m = action.stage, action.microbatch
+        grads: dict[int, torch.Tensor] = {}
+
+        def add(position: int, grad: torch.Tensor) -> None:
+            grads[position] = grad if position not in grads else grads[position] + grad
+
+        for _, e in self.routes.local_out(s):
+            if e.differentiable:
+                taken = self._read_input_grads(e.dst, m, action, state)
+                for i in e.differentiable:
+                    add(e.src_indices[i], taken[e.dst_indices[i]])
+        if self.routes.needs_recv_b(s):
+            received = iter(self._take_recv(Action(s, Kind.RECV_B, m), state))
+            for _, e in self.routes.remote_out(s):
+                for i in e.differentiable:
+                    add(e.src_indices[i], next(received))
+        return grads
+
     def _backward(self, action: Action, state: _StepState) -> None:
         s, m = action.stage, action.microbatch
         stash = state.stash.pop((s, m), None)
@@ -370,26 +430,50 @@ class PipelineExecutor:
             self._observe(state)
         if s == self.last_stage:
             torch.autograd.backward(outputs[0] / self.microbatches)
-        elif self.stages[s].output.differentiable:  # an integer-only edge sends no gradient back
-            if self._is_local(s):
-                grads = state.input_grads.pop((s + 1, m), None)
-                if grads is None:
-                    raise RuntimeError(f"{action} takes the input gradients of {s + 1}B{m}, which has not run here")
-            else:
-                grads = self._take_recv(Action(s, Kind.RECV_B, m), state)
-            pairs = [
-                (outputs[i], g) for i, g in zip(self.stages[s].output.differentiable, grads) if outputs[i].requires_grad
-            ]
-            if pairs:
+        else:
+            pairs = [(outputs[i], g) for i, g in sorted(self._output_grads(action, state).items())]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            if pairs:  # an integer-only edge sends no gradient back
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         state.activation_bytes -= stash.nbytes + recomputed
-        if s > 0:
-            state.input_grads[(s, m)] = [
-                stash.inputs[i].grad if stash.inputs[i].grad is not None else torch.zeros_like(stash.inputs[i])
-                for i in self.stages[s].input.differentiable
-            ]
+        readers = sum(1 for _, e in self.routes.local_in(s) if e.differentiable) + self.routes.sends_b(s)
+        if readers:
+            state.input_grads[(s, m)] = _InputGrads(
+                {
+                    j: t.grad if t.grad is not None else torch.zeros_like(t)
+                    for j, t in enumerate(stash.inputs)
+                    if t.requires_grad
+                },
+                readers,
+            )
 
-    def _optimizer_step(self, state: _StepState) -> None:
+    def _reduce_tied(self, action: Action, state: _StepState) -> None:
+        """Sum each tied parameter's gradient over every copy, here and on the other ranks holding
+        it, in rank order on every rank, so all copies get the same bits and stay equal."""
+        for g, copies in self.tied.items():
+            ranks = self.routes.tied_ranks[g]
+            mine = copies[0].grad if copies[0].grad is not None else torch.zeros_like(copies[0])
+            for p in copies[1:]:
+                mine = mine + (p.grad if p.grad is not None else torch.zeros_like(p))
+            parts = {self.rank: mine}
+            handles = []
+            num_edges = len(self.flow.edges)
+            for r in ranks:
+                if r != self.rank:
+                    buf = self.tied_buffers[(g, r)]
+                    handles.append(self.transport.recv(buf, r, tied_tag(num_edges, self.microbatches, g, r)))
+                    handles.append(
+                        self.transport.send(mine.contiguous(), r, tied_tag(num_edges, self.microbatches, g, self.rank))
+                    )
+                    parts[r] = buf
+            self._wait(handles, state)
+            total = parts[ranks[0]].clone()
+            for r in ranks[1:]:
+                total += parts[r]
+            for i, p in enumerate(copies):
+                p.grad = total if i == 0 else total.clone()
+
+    def _optimizer_step(self, action: Action, state: _StepState) -> None:
         self._wait(state.sends, state)
         state.sends.clear()
         if self.optimizer is None:
@@ -398,6 +482,18 @@ class PipelineExecutor:
         self.optimizer_bytes = storage_bytes(
             t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
         )
+
+    _handlers = {
+        Kind.RECV_F: _post_recv,
+        Kind.RECV_B: _post_recv,
+        Kind.FORWARD: _forward,
+        Kind.SEND_F: _send_forward,
+        Kind.BACKWARD: _backward,
+        Kind.SEND_B: _send_backward,
+        Kind.REDUCE_GRAD: _reduce_tied,
+        Kind.STEP: _optimizer_step,
+    }
+    """One handler per instruction kind (atoll._actions.Kind)."""
 
     # ------------------------------------------------------------------ state
 

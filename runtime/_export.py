@@ -1,7 +1,8 @@
-"""Client-side export: split a model into its top-level blocks and export each with torch.export.
+"""Client-side export: the whole model and the loss, each exported once with torch.export.
 
-The client only exports; every decision (stages, schedule, buffers) is the controller's. What
-leaves the client is serialized exported graphs and specs, never pickled user code.
+The client only exports; every decision (where to cut stages, schedule, buffers) is the
+controller's. What leaves the client is serialized exported graphs and specs, never pickled user
+code.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from atoll._graphs import flatten, serialize
+from atoll._graphs import serialize
 from atoll._wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)
 class ExportedPipeline:
-    blocks: list[tuple[str, bytes]]
+    model: bytes
     loss: bytes
     input: EdgeSpec
     target: EdgeSpec
+    aliases: dict[str, str]
 
 
 class _Loss(nn.Module):
@@ -55,46 +57,35 @@ def _microbatch(value, microbatches: int, what: str):
     return chunks[0] if isinstance(value, torch.Tensor) else type(value)(chunks)
 
 
-def top_level_blocks(model: nn.Module, example_input) -> list[tuple[str, nn.Module]]:
-    """The model's children, checked to compute the model when run one after another."""
-    blocks = list(model.named_children())
-    if not blocks:
-        raise InvalidInput(f"cannot split {type(model).__name__}: it has no top-level children")
-    seen: dict[int, str] = {}
-    for name, block in blocks:
-        for pname, p in block.named_parameters():
-            owner = seen.setdefault(id(p), f"{name}.{pname}")
-            if not owner.startswith(f"{name}."):
+def shared_names(model: nn.Module) -> dict[str, str]:
+    """Other names of tensors the model holds under several names (tied weights) -> first name.
+    An exported archive stores each name separately, so the sharing travels beside it."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
+        owner = first.setdefault(id(t), name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases
+
+
+def split_names(model: nn.Module, split_points) -> list[str]:
+    """Split points as module names; an integer ``i`` names the model's ``i``-th top-level child
+    (so block indices keep working for an ``nn.Sequential``)."""
+    children = [name for name, _ in model.named_children()]
+    names = []
+    for point in split_points or []:
+        if isinstance(point, bool) or not isinstance(point, (int, str)):
+            raise InvalidInput(f"a split point is a module name or a child index, got {point!r}")
+        if isinstance(point, int):
+            if not 0 < point < len(children):
                 raise InvalidInput(
-                    f"parameter {name}.{pname} is shared with {owner}; "
-                    f"blocks that share weights cannot be split into stages"
+                    f"split point {point} is not a child index in 1..{len(children) - 1} of {type(model).__name__}"
                 )
-    if isinstance(model, nn.Sequential):
-        return blocks
-    try:
-        # the same random stream for both runs, so dropout in training mode compares equal
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            state = torch.get_rng_state()
-            expected = model(example_input)
-            torch.set_rng_state(state)
-            x = example_input
-            for _, block in blocks:
-                x = block(x)
-        same = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(flatten(expected), flatten(x)))
-        same = same and len(flatten(expected)) == len(flatten(x))
-    except Exception as e:
-        raise InvalidInput(
-            f"cannot split {type(model).__name__}: running its top-level children "
-            f"in order fails ({type(e).__name__}: {e}); give an nn.Sequential or a "
-            f"module whose children run one after another"
-        ) from None
-    if not same:
-        raise InvalidInput(
-            f"cannot split {type(model).__name__}: running its top-level children "
-            f"in order does not reproduce its forward; give an nn.Sequential or a "
-            f"module whose children run one after another"
-        )
-    return blocks
+            point = children[point]
+        names.append(point)
+    return names
 
 
 def _export(module: nn.Module, args: tuple, what: str) -> bytes:
@@ -109,14 +100,17 @@ def _export(module: nn.Module, args: tuple, what: str) -> bytes:
 def export_pipeline(model: nn.Module, example_input, example_target, loss_fn, microbatches: int) -> ExportedPipeline:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise InvalidInput(f"microbatches must be a positive integer, got {microbatches!r}")
-    blocks = top_level_blocks(model, example_input)
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"model must be an nn.Module, got {type(model).__name__}")
     x = _microbatch(example_input, microbatches, "example_input")
     target = _microbatch(example_target, microbatches, "example_target")
-    exported = []
-    for name, block in blocks:
-        exported.append((name, _export(block, (x,), f"block '{name}'")))
-        with torch.no_grad():
-            x = block(x)
-    loss = _export(_Loss(loss_fn), (x, target), "loss_fn")
+    program = _export(model, (x,), f"the model ({type(model).__name__})")
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the model's state and RNG stay as they were
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        output = model(x)
+        model.load_state_dict(state)
+    loss = _export(_Loss(loss_fn), (output, target), "loss_fn")
     spec = lambda value, what: EdgeSpec(what, tuple(TensorSpec.of(t) for t in as_leaves(value, what)))  # noqa: E731
-    return ExportedPipeline(exported, loss, spec(example_input, "input"), spec(example_target, "target"))
+    return ExportedPipeline(
+        program, loss, spec(example_input, "input"), spec(example_target, "target"), shared_names(model)
+    )

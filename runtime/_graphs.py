@@ -1,7 +1,8 @@
-"""Exported stage graphs: safe loading, and running a chain of blocks on flat tensor lists.
+"""Exported stage graphs: safe loading, and running a stage program on flat tensor lists.
 
-Edges between stages are flat lists of tensors; each block's exported call spec restores the
-structure (tensor, tuple, dict) its forward expects, exactly as ``nn.Sequential`` would pass it.
+A stage's inputs and outputs are flat lists of tensors (atoll._dataflow says which edge fills which
+position); an exported program's call spec restores the structure (tensor, tuple, dict) its
+forward expects, as for the loss, which takes the model's output and the target.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def on_device(ep: torch.export.ExportedProgram, device: str | torch.device, fake
 
 
 class BlockGraph:
-    """One exported top-level block, ready to call."""
+    """One exported program (a stage, or the loss), ready to call."""
 
     def __init__(self, name: str, ep: torch.export.ExportedProgram):
         self.name = name
@@ -91,29 +92,22 @@ class BlockGraph:
 
 
 class StageGraph:
-    """Contiguous blocks run in order: flat input tensors -> structured output."""
+    """One stage's program: flat input tensors -> its outputs, with the model's parameter names."""
 
-    def __init__(self, blocks: list[BlockGraph]):
-        if not blocks:
-            raise InvalidInput("a stage needs at least one block")
-        self.blocks = blocks
+    def __init__(self, program: BlockGraph):
+        self.program = program
 
     def forward(self, leaves: Sequence[torch.Tensor]):
-        out = self.blocks[0].call_flat(leaves)
-        for block in self.blocks[1:]:
-            out = block.module(out)
-        return out
+        return self.program.call_flat(leaves)
 
     def named_parameters(self):
-        for block in self.blocks:
-            for name, p in block.module.named_parameters():
-                yield f"{block.name}.{name}", p
+        return self.program.module.named_parameters()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{block.name}.{k}": v for block in self.blocks for k, v in block.module.state_dict().items()}
+        return self.program.module.state_dict()
 
     def on(self, device, fake_mode=None) -> StageGraph:
         """This stage rebuilt on ``device`` (see ``on_device``); on CPU, itself."""
         if torch.device(device).type == "cpu":
             return self
-        return StageGraph([BlockGraph(b.name, on_device(b.ep, device, fake_mode)) for b in self.blocks])
+        return StageGraph(BlockGraph(self.program.name, on_device(self.program.ep, device, fake_mode)))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from atoll._auth import resolve_token
-from atoll._export import as_leaves, export_pipeline
+from atoll._export import as_leaves, export_pipeline, split_names
 from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
@@ -167,7 +167,7 @@ class Client:
         virtual_stages: int = 1,
         optimizer: str = "sgd",
         optimizer_args: dict | None = None,
-        split_points: list[int] | None = None,
+        split_points: list[str | int] | None = None,
         rematerialize: bool = False,
         data_plane_timeout_s: float = 60.0,
         device: str = "cpu",
@@ -176,9 +176,13 @@ class Client:
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
 
-        ``model`` is an ``nn.Sequential`` (or a module whose top-level children run in order);
-        its children are exported at the microbatch shape and grouped into stages by cost (or
-        at ``split_points``). ``example_input``/``example_target`` are one full batch of the
+        ``model`` is any ``nn.Module`` that ``torch.export`` can export at the microbatch shape.
+        The controller cuts its graph into stages at submodule boundaries, balanced by cost, or
+        where the modules named in ``split_points`` start (``["layers.2", "layers.4"]``; an
+        integer ``i`` names the ``i``-th top-level child, so block indices of an
+        ``nn.Sequential`` work). A value used by a later stage travels to it directly; a
+        parameter used by several stages (tied weights) lives on each, its gradients summed.
+        ``example_input``/``example_target`` are one full batch of the
         shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b" or
         "interleaved_1f1b" (with ``virtual_stages`` model chunks per worker).
 
@@ -190,7 +194,8 @@ class Client:
         """
         exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(
-            blocks=[pb.Block(name=n, exported_program=d) for n, d in exported.blocks],
+            model_program=exported.model,
+            aliases=exported.aliases,
             loss_program=exported.loss,
             stages=stages,
             microbatches=microbatches,
@@ -198,7 +203,7 @@ class Client:
             virtual_stages=virtual_stages,
             optimizer=optimizer,
             optimizer_args_json=json.dumps(optimizer_args or {}),
-            split_points=split_points or [],
+            split_at=split_names(model, split_points),
             rematerialize=rematerialize,
             input=spec_to_pb(exported.input),
             target=spec_to_pb(exported.target),

@@ -47,16 +47,21 @@ class Plan:
             where = r["placement"].get(str(s["rank"]), f"rank {s['rank']}")
             stash = _mib(s["stashed_bytes_per_microbatch"])
             lines.append(
-                f"  stage {s['stage']} on {where}: blocks {','.join(s['blocks'])}  "
+                f"  stage {s['stage']} on {where}: modules {','.join(m or '(model)' for m in s['modules'])}  "
                 f"{s['input']} -> {s['output']}  {s['forward_flops'] / 1e6:.1f} MFLOP fwd, "
                 f"params {_mib(s['parameter_bytes'])} MiB, stash/mb {stash} MiB"
             )
         if r.get("edges"):  # present once the plan is placed on workers
             hops = [
-                f"{e['edge']}->{e['edge'] + 1} rank {e['from_rank']}->{e['to_rank']} {e['transport']}"
+                f"{e['from_stage']}->{e['to_stage']} rank {e['from_rank']}->{e['to_rank']} {e['transport']}"
+                + (" (skip)" if e["to_stage"] - e["from_stage"] > 1 else "")
+                + (f" ({e['edge']})" if e["edge"].startswith("tied") else "")
                 for e in r["edges"]
             ]
             lines.append("  edges: " + ", ".join(hops))
+        if r.get("tied_parameters"):
+            tied = [f"{name} on stages {','.join(map(str, stages))}" for name, stages in r["tied_parameters"].items()]
+            lines.append("  tied parameters (gradients summed before each update): " + "; ".join(tied))
         lines.append(
             f"predicted bubble fraction {r['predicted_bubble_fraction']:.3f} (F=1, B=2 time units); '.' marks a bubble:"
         )

@@ -17,6 +17,7 @@ import torch
 
 from atoll._actions import Action
 from atoll._cuda_ipc import CudaIpcTransport
+from atoll._dataflow import Dataflow, Routes
 from atoll._executor import PipelineExecutor, StageSetup
 from atoll._graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
 from atoll._grpc import Endpoint, make_server, rpc_handler
@@ -29,6 +30,27 @@ from atoll._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
 
 log = logging.getLogger("atoll.worker")
+
+
+def _check_plan(routes: Routes, request: pb.LoadPlanRequest) -> None:
+    """Refuse a plan whose graph does not fit together (ValueError), before anything is built."""
+    n = request.num_stages
+    if len(request.stage_ranks) != n or any(not 0 <= r < request.world_size for r in request.stage_ranks):
+        raise ValueError(
+            f"stage_ranks {list(request.stage_ranks)} do not place {n} stages on {request.world_size} ranks"
+        )
+    mine = {sp.stage: sp for sp in request.stages}
+    for e in routes.flow.edges:
+        if not (-1 <= e.src < n and 0 <= e.dst < n) or len(e.src_indices) != len(e.spec.tensors):
+            raise ValueError(f"malformed dataflow edge {e.spec.name} ({e.src} -> {e.dst})")
+        if e.dst in mine and (
+            len(e.dst_indices) != len(e.spec.tensors)
+            or max(e.dst_indices, default=-1) >= len(mine[e.dst].input.tensors)
+        ):
+            raise ValueError(f"dataflow edge {e.spec.name} does not fit the inputs of stage {e.dst}")
+    for t in routes.flow.tied:
+        if any(not 0 <= s < n for s in t.stages):
+            raise ValueError(f"tied parameter {t.name} names a stage outside 0..{n - 1}")
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -68,26 +90,25 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.job_id in self._jobs:
                 raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
         self._use_device()
-        stages = []
-        for sp in request.stages:
-            blocks = [
-                BlockGraph(b.name, deserialize(b.exported_program, f"stage {sp.stage} block '{b.name}'"))
-                for b in sp.blocks
-            ]
-            stages.append(
-                StageSetup(
-                    index=sp.stage,
-                    graph=StageGraph(blocks).on(self.device),
-                    input=spec_from_pb(sp.input),
-                    output=spec_from_pb(sp.output),
-                )
+        stages = [
+            StageSetup(
+                index=sp.stage,
+                graph=StageGraph(
+                    BlockGraph(f"stage {sp.stage}", deserialize(sp.exported_program, f"stage {sp.stage} program"))
+                ).on(self.device),
+                input=spec_from_pb(sp.input),
+                output=spec_from_pb(sp.output),
             )
+            for sp in request.stages
+        ]
         loss = None
         if request.loss_program:
             loss = BlockGraph("loss", on_device(deserialize(request.loss_program, "loss program"), self.device))
         try:
-            actions = [Action.parse(a) for a in request.actions]
-            recv_slots = {Action.parse(s.action): s.slot for s in request.recv_slots}
+            actions = [Action.from_pb(a) for a in request.actions]
+            recv_slots = {Action.from_pb(s.action): s.slot for s in request.recv_slots}
+            routes = Routes(Dataflow.from_pb(request.num_stages, request.edges, request.tied), request.stage_ranks)
+            _check_plan(routes, request)
         except ValueError as e:
             raise InvalidInput(str(e)) from None
         timeout_s = request.timeout_s or 60.0
@@ -96,8 +117,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 rank=request.rank,
                 stages=stages,
                 loss=loss,
-                num_stages=request.num_stages,
-                stage_ranks=list(request.stage_ranks),
+                routes=routes,
                 microbatches=request.microbatches,
                 actions=actions,
                 recv_slots=recv_slots,

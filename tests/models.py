@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atoll._dataflow import Dataflow, Routes
+from atoll._wire import EdgeSpec, TensorSpec
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss
 
 
@@ -47,6 +49,79 @@ def char_gpt(
     model = build_gpt(GPTConfig(vocab_size=corpus.vocab_size, n_layers=layers, d_model=d_model)).to(dtype)
     g = torch.Generator().manual_seed(batch_seed)
     return model, [corpus.batch(32, 64, g) for _ in range(steps)]
+
+
+class _Block(nn.Module):
+    """Pre-norm residual MLP block; ``batch_norm`` adds running statistics (buffers trained)."""
+
+    def __init__(self, width: int, batch_norm: bool = False):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width) if batch_norm else nn.LayerNorm(width)
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, h):
+        return h + self.ff(self.norm(h))
+
+
+class SkipNet(nn.Module):
+    """Nested submodules whose forward is not its children run in order: the stem's output is
+    added again after the last block, so with 3+ stages it crosses two stage boundaries."""
+
+    def __init__(self, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(_Block(width, batch_norm=(i == 1)) for i in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        skip = h
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h + skip)
+
+
+def skip_net(seed: int = 0) -> tuple[nn.Module, list, callable]:
+    torch.manual_seed(seed)
+    model = SkipNet()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(4)]
+    return model, batches, F.mse_loss
+
+
+class TiedLM(nn.Module):
+    """Token embedding shared with the output head (as GPT-2's wte and lm_head)."""
+
+    def __init__(self, vocab: int = 24, width: int = 32, depth: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*[_Block(width) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.head(self.norm(self.blocks(self.embed(idx))))
+
+
+def tied_lm(seed: int = 0) -> tuple[nn.Module, list, callable]:
+    torch.manual_seed(seed)
+    model = TiedLM()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randint(0, 24, (8, 12), generator=g), torch.randint(0, 24, (8, 12), generator=g)) for _ in range(4)
+    ]
+    return model, batches, lm_loss
+
+
+def placed_chain(stage_ranks: list[int]) -> Routes:
+    """A chain of stages on these ranks, each edge one float tensor (for pure-logic tests)."""
+    spec = EdgeSpec("x", (TensorSpec((1,), "float32"),))
+    return Routes(Dataflow.chain([spec] * (len(stage_ranks) - 1), spec), stage_ranks)
+
+
+def chain_routes(topo) -> Routes:
+    return placed_chain(topo.stage_ranks)
 
 
 def submit(client, make=mlp, seed: int = 0, **pipeline_args):

@@ -109,24 +109,32 @@ def test_closed_job(client4, mlp_job):
     still_serving(*mlp_job)
 
 
-class _NotInOrder(nn.Module):
-    """Children exist, but forward uses them in another order (and twice)."""
-
+class _DataDependent(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.a(self.b(x)) + self.b(x)
+        return self.a(x) if x.sum() > 0 else -x  # control flow on values: torch.export refuses
 
 
 def test_model_that_cannot_be_split(client4, mlp_job):
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    with pytest.raises(atoll.InvalidInput, match="cannot split _NotInOrder: running its top-level children"):
-        client4.pipeline(_NotInOrder(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
-    with pytest.raises(atoll.InvalidInput, match="has no top-level children"):
-        client4.pipeline(nn.ReLU(), example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=2)
+
+    def pipeline(model, **kw):
+        return client4.pipeline(model, example_input=x, example_target=y, loss_fn=F.mse_loss, microbatches=2, **kw)
+
+    with pytest.raises(atoll.InvalidInput, match="cannot split a model of 1 operations into 2 stages"):
+        pipeline(nn.ReLU(), stages=2)
+    with pytest.raises(atoll.InvalidInput, match=r"torch.export failed for the model \(_DataDependent\)"):
+        pipeline(_DataDependent(), stages=2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8))
+    with pytest.raises(atoll.InvalidInput, match=r"split point '1.5' names no module .* \(modules include: 0, 1, 1.0"):
+        pipeline(model, stages=2, split_points=["1.5"])
+    with pytest.raises(atoll.InvalidInput, match="in the order the forward runs them"):
+        pipeline(model, stages=3, split_points=["2", "1"])
+    with pytest.raises(atoll.InvalidInput, match="split point 7 is not a child index in 1..2"):
+        pipeline(model, stages=2, split_points=[7])
     still_serving(*mlp_job)
 
 
@@ -147,7 +155,7 @@ def test_bad_arguments_are_refused_by_name(client4, mlp_job):
 
 def _program(exported, **overrides) -> pb.PipelineProgram:
     program = pb.PipelineProgram(
-        blocks=[pb.Block(name=n, exported_program=d) for n, d in exported.blocks],
+        model_program=exported.model,
         loss_program=exported.loss,
         stages=2,
         microbatches=2,
@@ -170,8 +178,8 @@ def _small_export():
 def test_malformed_program_is_refused(client4, mlp_job):
     exported = _small_export()
     program = _program(exported)
-    program.blocks[1].exported_program = b"this is not an archive"
-    with pytest.raises(atoll.InvalidInput, match=r"block 1 \('1'\): not a loadable torch.export archive"):
+    program.model_program = b"this is not an archive"
+    with pytest.raises(atoll.InvalidInput, match=r"model program: not a loadable torch.export archive"):
         client4._call("SubmitPipeline", program)
     still_serving(*mlp_job)
 
@@ -202,7 +210,7 @@ def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
     exported = _small_export()
     marker = tmp_path / "pwned"
     program = _program(exported)
-    program.blocks[0].exported_program = _poisoned(exported.blocks[0][1], str(marker))
+    program.model_program = _poisoned(exported.model, str(marker))
     with pytest.raises(atoll.InvalidInput, match="arbitrary pickled objects are refused"):
         client4._call("SubmitPipeline", program)
     # and a worker handed the same archive directly refuses it too
@@ -217,9 +225,7 @@ def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
         job_id="evil",
         rank=0,
         world_size=1,
-        stages=[
-            pb.StageProgram(stage=0, blocks=[pb.Block(name="0", exported_program=program.blocks[0].exported_program)])
-        ],
+        stages=[pb.StageProgram(stage=0, exported_program=program.model_program)],
     )
     with pytest.raises(grpc.RpcError) as err:
         load(request, metadata=call_metadata(cluster4.token), timeout=30)

@@ -9,6 +9,7 @@ from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import ScheduleError, simulate
 from atoll.controller.topology import Topology
 from atoll.errors import InvalidInput
+from tests.models import chain_routes
 
 SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
@@ -89,8 +90,8 @@ def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
 @pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
 def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
     topo = topology(schedule, ranks, microbatches)
-    lowered = lower(build_schedule(topo), topo, lambda edge: True)
-    timeline = simulate(lowered.actions, topo)
+    lowered = lower(build_schedule(topo), topo, chain_routes(topo))
+    timeline = simulate(lowered.actions, topo, chain_routes(topo))
     assert 0 <= timeline.bubble_fraction < 1
     for actions in lowered.actions.values():
         assert actions[-1].kind is Kind.STEP
@@ -106,12 +107,12 @@ def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
 
 def test_gpipe_two_ranks_golden():
     topo = Topology(ranks=2, microbatches=2, schedule="gpipe")
-    lowered = lower(build_schedule(topo), topo, lambda edge: True)
+    lowered = lower(build_schedule(topo), topo, chain_routes(topo))
     text = {r: " ".join(map(str, acts)) for r, acts in lowered.actions.items()}
     # receives are posted one compute ahead of the compute that reads them
     assert text[0] == "0F0 0SEND_F0 0RECV_B0 0F1 0SEND_F1 0RECV_B1 0B0 0B1 0STEP"
     assert text[1] == "1RECV_F0 1RECV_F1 1F0 1F1 1B0 1SEND_B0 1B1 1SEND_B1 1STEP"
-    assert simulate(lowered.actions, topo).render() == (
+    assert simulate(lowered.actions, topo, chain_routes(topo)).render() == (
         "rank 0: 0F0 0F1   .   .   . 0B0 0B0 0B1 0B1\nrank 1:   . 1F0 1F1 1B0 1B0 1B1 1B1   .   ."
     )
 
@@ -136,7 +137,7 @@ def test_actions_print_and_parse():
 
 def _lowered_gpipe(ranks=2, microbatches=4):
     topo = Topology(ranks=ranks, microbatches=microbatches, schedule="gpipe")
-    return topo, {r: list(a) for r, a in lower(build_schedule(topo), topo, lambda e: True).actions.items()}
+    return topo, {r: list(a) for r, a in lower(build_schedule(topo), topo, chain_routes(topo)).actions.items()}
 
 
 def test_simulator_rejects_swapped_send_and_recv_naming_the_blocked_worker():
@@ -145,7 +146,7 @@ def test_simulator_rejects_swapped_send_and_recv_naming_the_blocked_worker():
     i, j = last.index(Action.parse("1RECV_F0")), last.index(Action.parse("1SEND_B0"))
     last[i], last[j] = last[j], last[i]
     with pytest.raises(ScheduleError) as err:
-        simulate(actions, topo)
+        simulate(actions, topo, chain_routes(topo))
     message = str(err.value)
     assert "deadlocks" in message
     assert "worker rank 1 blocks at action #0 '1SEND_B0': sends the result of 1B0, which has not run" in message
@@ -158,7 +159,7 @@ def test_simulator_finds_a_circular_wait():
     send = first.pop(first.index(Action.parse("0SEND_F0")))
     first.insert(first.index(Action.parse("0B0")) + 1, send)
     with pytest.raises(ScheduleError) as err:
-        simulate(actions, topo)
+        simulate(actions, topo, chain_routes(topo))
     message = str(err.value)
     assert "worker rank 0 blocks at action #2 '0B0': waits for 1SEND_B0 on rank 1" in message
     assert "worker rank 1 blocks at action #1 '1F0': waits for 0SEND_F0 on rank 0" in message
@@ -168,15 +169,15 @@ def test_simulator_rejects_missing_and_misplaced_actions():
     topo, actions = _lowered_gpipe()
     actions[1].remove(Action.parse("1RECV_F2"))
     with pytest.raises(ScheduleError, match="its receive 1RECV_F2 is not posted before it"):
-        simulate(actions, topo)
+        simulate(actions, topo, chain_routes(topo))
     topo, actions = _lowered_gpipe()
     actions[0].remove(Action.parse("0B3"))
     with pytest.raises(ScheduleError, match="never runs 0B3"):
-        simulate(actions, topo)
+        simulate(actions, topo, chain_routes(topo))
     topo, actions = _lowered_gpipe()
     actions[0].insert(0, Action.parse("1F0"))
     with pytest.raises(ScheduleError, match="stage 1 does not live on rank 0"):
-        simulate(actions, topo)
+        simulate(actions, topo, chain_routes(topo))
 
 
 # ----------------------------------------------------------------- slots and topology
@@ -185,7 +186,7 @@ def test_simulator_rejects_missing_and_misplaced_actions():
 def test_receive_slots_follow_the_schedule_memory():
     for schedule, expected_forward_slots in [("gpipe", 8), ("1f1b", 2)]:
         topo = Topology(ranks=4, microbatches=8, schedule=schedule)
-        lowered = lower(build_schedule(topo), topo, lambda e: True)
+        lowered = lower(build_schedule(topo), topo, chain_routes(topo))
         owners = lowered.slot_owner[3].values()
         # the last rank holds every microbatch's input under GPipe; under 1F1B one, plus one prefetched
         assert sum(1 for _, kind in owners if kind is Kind.RECV_F) == expected_forward_slots
@@ -206,10 +207,10 @@ def test_topology_refuses_bad_values():
 
 def test_stages_on_one_rank_hand_off_locally_golden():
     topo = Topology(ranks=1, virtual_stages=2, microbatches=2, schedule="interleaved_1f1b")
-    lowered = lower(build_schedule(topo), topo, lambda edge: True)
+    lowered = lower(build_schedule(topo), topo, chain_routes(topo))
     assert " ".join(map(str, lowered.actions[0])) == "0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1 0STEP"
     assert lowered.recv_slots[0] == {}  # no transport, no receive buffer
-    simulate(lowered.actions, topo)
+    simulate(lowered.actions, topo, chain_routes(topo))
     swapped = [Action(1, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 0), *lowered.actions[0][2:]]
     with pytest.raises(ScheduleError, match=r"rank 0 blocks at action #0 '1F0': waits for 0F0, not yet run"):
-        simulate({0: swapped}, topo)
+        simulate({0: swapped}, topo, chain_routes(topo))

@@ -6,7 +6,7 @@ import atoll
 from atoll.controller.registry import WorkerRecord
 from atoll.controller.transports import choose_transport, edge_transports, peer_transports
 from atoll.errors import InvalidInput
-from tests.models import submit
+from tests.models import placed_chain, submit
 
 
 def worker(device: str, host: str = "a", gpu: str = "") -> WorkerRecord:
@@ -22,7 +22,7 @@ def test_transport_follows_placement():
 
 
 def test_interleaved_edges_wrap_around_the_ranks():
-    edges = edge_transports([0, 1, 0, 1], [worker("cpu"), worker("cpu")])
+    edges = edge_transports(placed_chain([0, 1, 0, 1]), [worker("cpu"), worker("cpu")])
     assert [(e["from_rank"], e["to_rank"]) for e in edges] == [(0, 1), (1, 0), (0, 1)]
     assert {e["transport"] for e in edges} == {"gloo"}
 
@@ -56,7 +56,7 @@ def test_forced_transport_is_checked_against_placement():
 
 def test_peer_table_is_symmetric_and_skips_a_rank_talking_to_itself():
     gpus = [worker("cuda:0", gpu="G0"), worker("cuda:0", gpu="G0"), worker("cuda:1", gpu="G1")]
-    edges = edge_transports([0, 1, 2, 2], gpus)
+    edges = edge_transports(placed_chain([0, 1, 2, 2]), gpus)
     table = peer_transports(edges, 3)
     assert table == {0: ["", "cuda_ipc", ""], 1: ["cuda_ipc", "", "nccl"], 2: ["", "nccl", ""]}
 
