@@ -313,10 +313,8 @@ def _stage_modules(g: _ModelGraph, stage_index: list[int], num_stages: int) -> l
         depth = 1
         while _depth(path) > depth and len(stages_of[_prefix(path, depth)]) > 1:
             depth += 1
-        key, own = _prefix(path, depth), names[stage_index[i]]
-        if not own or own[-1] != key:
-            own.append(key)
-    return [tuple(n) for n in names]
+        names[stage_index[i]].append(_prefix(path, depth))
+    return [tuple(dict.fromkeys(n)) for n in names]
 
 
 def _export_stage(g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...]) -> SplitStage:

@@ -8,7 +8,7 @@ from torch import nn
 
 from atoll._dataflow import Dataflow, Routes
 from atoll._wire import EdgeSpec, TensorSpec
-from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss
+from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: F401 (lm_loss: for tests)
 
 
 def mlp(seed: int = 0) -> tuple[nn.Module, list, callable]:
@@ -112,6 +112,17 @@ def tied_lm(seed: int = 0) -> tuple[nn.Module, list, callable]:
         (torch.randint(0, 24, (8, 12), generator=g), torch.randint(0, 24, (8, 12), generator=g)) for _ in range(4)
     ]
     return model, batches, lm_loss
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM returning its logits alone (its output object is not a tensor)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
 
 
 def placed_chain(stage_ranks: list[int]) -> Routes:

@@ -4,6 +4,8 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from atoll._actions import Action, Kind
+from atoll._dataflow import BATCH, Dataflow, Edge, Routes, TiedParameter
+from atoll._wire import EdgeSpec, TensorSpec
 from atoll.controller.lowering import lower
 from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import ScheduleError, simulate
@@ -214,3 +216,61 @@ def test_stages_on_one_rank_hand_off_locally_golden():
     swapped = [Action(1, Kind.FORWARD, 0), Action(0, Kind.FORWARD, 0), *lowered.actions[0][2:]]
     with pytest.raises(ScheduleError, match=r"rank 0 blocks at action #0 '1F0': waits for 0F0, not yet run"):
         simulate({0: swapped}, topo, chain_routes(topo))
+
+
+# ----------------------------------------------------------------- dataflow graphs (skip edges, tied parameters)
+
+
+def _skip_routes(topo: Topology, tied: bool = False) -> Routes:
+    """Three stages; stage 0's output also goes straight to stage 2 (a residual); with ``tied``,
+    stages 0 and 2 share a parameter."""
+    x = EdgeSpec("x", (TensorSpec((1,), "float32"),))
+    edges = (
+        Edge(BATCH, 0, (0,), (0,), x),
+        Edge(0, 1, (0,), (0,), x),
+        Edge(0, 2, (0,), (1,), x),
+        Edge(1, 2, (0,), (0,), x),
+    )
+    shared = (TiedParameter("w", (0, 2), TensorSpec((1,), "float32")),) if tied else ()
+    return Routes(Dataflow(3, edges, shared), topo.stage_ranks)
+
+
+def test_skip_edge_is_received_directly_from_its_producer():
+    topo = Topology(ranks=3, microbatches=2, schedule="1f1b")
+    routes = _skip_routes(topo, tied=True)
+    lowered = lower(build_schedule(topo), topo, routes)
+    text = {r: " ".join(map(str, acts)) for r, acts in lowered.actions.items()}
+    # rank 2 receives both edges with one RECV_F per microbatch and sends gradients back to both
+    assert [t.shape for t in routes.recv_f_specs(2)] == [(1,), (1,)]
+    assert routes.sends_b(2) and {e.src for _, e in routes.remote_in(2)} == {0, 1}
+    assert text[0].endswith("0REDUCE_GRAD 0STEP") and text[2].endswith("2REDUCE_GRAD 2STEP")
+    assert "REDUCE_GRAD" not in text[1]
+    timeline = simulate(lowered.actions, topo, routes)
+    assert 0 < timeline.bubble_fraction < 1
+
+
+def test_simulator_names_the_worker_blocked_on_a_skip_edge():
+    topo = Topology(ranks=3, microbatches=1, schedule="gpipe")
+    routes = _skip_routes(topo)
+    actions = {r: list(a) for r, a in lower(build_schedule(topo), topo, routes).actions.items()}
+    actions[2].remove(Action.parse("2RECV_F0"))  # a missing receive
+    with pytest.raises(ScheduleError, match=r"worker rank 2 blocks at action #0 '2F0': its receive 2RECV_F0 is not"):
+        simulate(actions, topo, routes)
+    actions = {r: list(a) for r, a in lower(build_schedule(topo), topo, routes).actions.items()}
+    first = actions[0]  # crossed: rank 0 sends only after its backward, which waits on stage 2's gradient
+    send = first.pop(first.index(Action.parse("0SEND_F0")))
+    first.insert(first.index(Action.parse("0B0")) + 1, send)
+    with pytest.raises(ScheduleError) as err:
+        simulate(actions, topo, routes)
+    assert "worker rank 0 blocks at action #2 '0B0': waits for 1SEND_B0 on rank 1" in str(err.value)
+    assert "worker rank 1 blocks at action #2 '1F0': waits for 0SEND_F0 on rank 0" in str(err.value)
+    assert "worker rank 2 blocks at action #1 '2F0': waits for 0SEND_F0 on rank 0" in str(err.value)
+
+
+def test_simulator_requires_reduce_grad_on_every_holder_of_a_tied_parameter():
+    topo = Topology(ranks=3, microbatches=1, schedule="gpipe")
+    routes = _skip_routes(topo, tied=True)
+    actions = {r: list(a) for r, a in lower(build_schedule(topo), topo, routes).actions.items()}
+    actions[2].remove(Action.parse("2REDUCE_GRAD"))
+    with pytest.raises(ScheduleError, match="rank 0 blocks at action .*'0REDUCE_GRAD': rank 2 holds a tied param"):
+        simulate(actions, topo, routes)
