@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll._config import JobConfig
 from atoll._dataflow import BATCH, Dataflow, Routes
 from atoll._graphs import BlockGraph, StageGraph, deserialize
 from atoll._optim import validate_optimizer
@@ -36,36 +37,14 @@ class PipelineRequest:
     """The whole model, serialized with torch.export at the microbatch shape."""
     loss: bytes
     """Serialized exported loss program: (model output, target microbatch) -> scalar."""
-    ranks: int
-    """Pipeline ranks, one worker each."""
-    microbatches: int
-    """Microbatches per step."""
     input: EdgeSpec
     """Full-batch input spec."""
     target: EdgeSpec
     """Full-batch target spec."""
-    schedule: str = "gpipe"
-    """Schedule name (controller.topology.SCHEDULE_NAMES)."""
-    virtual_stages: int = 1
-    """Model chunks per rank (interleaved schedules)."""
-    optimizer: str = "sgd"
-    """Optimizer name (atoll._optim.OPTIMIZERS)."""
-    optimizer_args: dict = field(default_factory=dict)
-    """Plain keyword arguments of the optimizer."""
-    split_at: list[str] = field(default_factory=list)
-    """Names of the modules where stages 1, 2, ... start; empty: balance by cost."""
+    config: JobConfig
+    """Every setting of the job."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Other names of the model's shared tensors (tied weights) -> their first name."""
-    rematerialize: bool = False
-    """Recompute each stage's forward during backward instead of stashing its activations."""
-    name: str = ""
-    """A label shown by status."""
-    data_plane_timeout_s: float = 60.0
-    """Deadline of every data-plane wait (receive, send completion, group join)."""
-    device: str = "cpu"
-    """Device kind of the workers the job runs on: "cpu" or "cuda"."""
-    transport: str = "auto"
-    """"auto": each edge's transport follows from placement; or one of TRANSPORTS for every edge."""
 
 
 DEVICE_KINDS = ("cpu", "cuda")
@@ -135,9 +114,9 @@ class CompiledPipeline:
             "virtual_stages": t.virtual_stages,
             "microbatches": t.microbatches,
             "num_stages": t.num_stages,
-            "rematerialize": self.request.rematerialize,
-            "device": self.request.device,
-            "analysis_device": analysis_device(self.request.device),
+            "rematerialize": self.request.config.rematerialize,
+            "device": self.request.config.device,
+            "analysis_device": analysis_device(self.request.config.device),
             "placement": {str(r): w for r, w in (placement or {}).items()},
             "stages": [
                 {
@@ -187,22 +166,23 @@ def microbatch_spec(full: EdgeSpec, microbatches: int) -> EdgeSpec:
 
 
 def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
+    cfg = req.config
     topo = Topology(
-        ranks=req.ranks, virtual_stages=req.virtual_stages, microbatches=req.microbatches, schedule=req.schedule
+        ranks=cfg.stages, virtual_stages=cfg.virtual_stages, microbatches=cfg.microbatches, schedule=cfg.schedule
     )
-    validate_optimizer(req.optimizer, req.optimizer_args)
-    if not req.data_plane_timeout_s > 0:
-        raise InvalidInput(f"data_plane_timeout_s must be positive, got {req.data_plane_timeout_s}")
+    validate_optimizer(cfg.optimizer, cfg.optimizer_args)
+    if not cfg.data_plane_timeout_s > 0:
+        raise InvalidInput(f"data_plane_timeout_s must be positive, got {cfg.data_plane_timeout_s}")
     if not req.model:
         raise InvalidInput("the program has no model")
-    if req.device not in DEVICE_KINDS:
-        raise InvalidInput(f"unknown device kind {req.device!r} (known: {', '.join(DEVICE_KINDS)})")
-    if req.transport != "auto" and req.transport not in TRANSPORTS:
-        raise InvalidInput(f"unknown transport {req.transport!r} (known: auto, {', '.join(TRANSPORTS)})")
-    device = analysis_device(req.device)
-    mb_input = microbatch_spec(req.input, req.microbatches)
-    mb_target = microbatch_spec(req.target, req.microbatches)
-    split = split_model(req.model, mb_input, topo.num_stages, req.split_at, req.aliases)
+    if cfg.device not in DEVICE_KINDS:
+        raise InvalidInput(f"unknown device kind {cfg.device!r} (known: {', '.join(DEVICE_KINDS)})")
+    if cfg.transport != "auto" and cfg.transport not in TRANSPORTS:
+        raise InvalidInput(f"unknown transport {cfg.transport!r} (known: auto, {', '.join(TRANSPORTS)})")
+    device = analysis_device(cfg.device)
+    mb_input = microbatch_spec(req.input, cfg.microbatches)
+    mb_target = microbatch_spec(req.target, cfg.microbatches)
+    split = split_model(req.model, mb_input, topo.num_stages, list(cfg.split_at), req.aliases)
     analyzed = [analyze_stage(st.index, st.program) for st in split.stages]
     infos = [info for info, _ in analyzed]
     _check_edges(split.dataflow, infos)
@@ -226,7 +206,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
             _from_stages(split.dataflow, s),
             stage_loss if is_last else None,
             mb_target if is_last else None,
-            req.rematerialize,
+            cfg.rematerialize,
             device,
         )
         stages.append(
@@ -237,7 +217,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     timeline = simulate(lowered.actions, topo, routes)
     stage_params = {s: [p for _, p in StageGraph(analyzed[s][1]).named_parameters()] for s in range(topo.num_stages)}
     memory = memory_plan.predict(
-        topo, lowered, {s.index: s.memory for s in stages}, stage_params, req.optimizer, req.optimizer_args, routes
+        topo, lowered, {s.index: s.memory for s in stages}, stage_params, cfg.optimizer, cfg.optimizer_args, routes
     )
     return CompiledPipeline(
         request=req,

@@ -11,6 +11,7 @@ import time
 import grpc
 
 from atoll._actions import STEP_MODES
+from atoll._config import JobConfig
 from atoll._grpc import rpc_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
@@ -27,28 +28,13 @@ log = logging.getLogger("atoll.controller")
 
 def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
     """The compiler's view of a submitted program (also used by `atoll plan`, in-process)."""
-    try:
-        args = json.loads(request.optimizer_args_json or "{}")
-    except json.JSONDecodeError as e:
-        raise InvalidInput(f"optimizer_args_json is not JSON: {e}") from None
     return PipelineRequest(
         model=request.model_program,
-        aliases=dict(request.aliases),
         loss=request.loss_program,
-        ranks=request.stages,
-        microbatches=request.microbatches,
         input=spec_from_pb(request.input),
         target=spec_from_pb(request.target),
-        schedule=request.schedule or "gpipe",
-        virtual_stages=request.virtual_stages or 1,
-        optimizer=request.optimizer or "sgd",
-        optimizer_args=args,
-        split_at=list(request.split_at),
-        rematerialize=request.rematerialize,
-        name=request.name,
-        data_plane_timeout_s=request.data_plane_timeout_s or 60.0,
-        device=request.device or "cpu",
-        transport=request.transport or "auto",
+        config=JobConfig.from_pb(request.config),
+        aliases=dict(request.aliases),
     )
 
 
@@ -159,11 +145,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             loss_program=compiled.request.loss if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
             stage_ranks=topo.stage_ranks,
-            microbatches=topo.microbatches,
-            optimizer=compiled.request.optimizer,
-            optimizer_args_json=json.dumps(compiled.request.optimizer_args),
-            rematerialize=compiled.request.rematerialize,
-            timeout_s=compiled.request.data_plane_timeout_s,
+            config=compiled.request.config.to_pb(),
             recv_slots=[pb.RecvSlot(action=a.to_pb(), slot=slot) for a, slot in low.recv_slots[rank].items()],
             num_stages=topo.num_stages,
             peer_transports=peers,
@@ -182,13 +164,19 @@ class ControllerService(pb_grpc.ControllerServicer):
     def SubmitPipeline(self, request, context):
         compiled = compile_pipeline(decode_program(request))
         with self._lock:  # placement and bookkeeping are one decision
-            workers = self._place(compiled.topology.ranks, compiled.request.device)
-            edges = edge_transports(compiled.routes, workers, compiled.request.transport)
+            workers = self._place(compiled.topology.ranks, compiled.request.config.device)
+            edges = edge_transports(compiled.routes, workers, compiled.request.config.transport)
             peers = peer_transports(edges, compiled.topology.ranks)
             job_id = f"job{next(self._job_ids)}"
             report = compiled.report({r: f"{w.worker_id} {w.address} {w.device}" for r, w in enumerate(workers)})
             report["edges"] = edges
-            job = Job(job_id=job_id, name=request.name or job_id, compiled=compiled, workers=workers, report=report)
+            job = Job(
+                job_id=job_id,
+                name=compiled.request.config.name or job_id,
+                compiled=compiled,
+                workers=workers,
+                report=report,
+            )
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)

@@ -16,7 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import grpc_tools
 from grpc_tools import protoc
+
+WELL_KNOWN = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto (Struct)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = "atoll/_rpc"  # the import path; the files live in runtime/_rpc
@@ -27,6 +30,7 @@ def generate(out_root: Path) -> Path:
     args = [
         "grpc_tools.protoc",
         f"-I{PACKAGE_DIR}={ROOT / 'proto'}",
+        f"-I{WELL_KNOWN}",
         f"--python_out={out_root}",
         f"--grpc_python_out={out_root}",
         str(ROOT / "proto" / "atoll.proto"),

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from atoll._auth import resolve_token
+from atoll._config import JobConfig
 from atoll._export import as_leaves, export_pipeline, split_names
 from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
@@ -192,25 +193,28 @@ class Client:
         workers on one GPU, nccl between GPUs, gloo otherwise) or one of "gloo", "cuda_ipc",
         "nccl" forced for every edge.
         """
-        exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
-        program = pb.PipelineProgram(
-            model_program=exported.model,
-            aliases=exported.aliases,
-            loss_program=exported.loss,
+        config = JobConfig(
             stages=stages,
             microbatches=microbatches,
             schedule=schedule,
             virtual_stages=virtual_stages,
             optimizer=optimizer,
-            optimizer_args_json=json.dumps(optimizer_args or {}),
-            split_at=split_names(model, split_points),
+            optimizer_args=dict(optimizer_args or {}),
+            split_at=tuple(split_names(model, split_points)),
             rematerialize=rematerialize,
-            input=spec_to_pb(exported.input),
-            target=spec_to_pb(exported.target),
-            name=name or type(model).__name__,
             data_plane_timeout_s=data_plane_timeout_s,
             device=device,
             transport=transport,
+            name=name or type(model).__name__,
+        )
+        exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
+        program = pb.PipelineProgram(
+            model_program=exported.model,
+            loss_program=exported.loss,
+            input=spec_to_pb(exported.input),
+            target=spec_to_pb(exported.target),
+            aliases=exported.aliases,
+            config=config.to_pb(),
         )
         reply = self._call("SubmitPipeline", program, timeout_s=600.0)
         return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))

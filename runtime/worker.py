@@ -16,6 +16,7 @@ import time
 import torch
 
 from atoll._actions import Action
+from atoll._config import JobConfig
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._dataflow import Dataflow, Routes
 from atoll._executor import PipelineExecutor, StageSetup
@@ -111,19 +112,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             _check_plan(routes, request)
         except ValueError as e:
             raise InvalidInput(str(e)) from None
-        timeout_s = request.timeout_s or 60.0
+        config = JobConfig.from_pb(request.config)
+        timeout_s = config.data_plane_timeout_s
         try:
             executor = PipelineExecutor(
                 rank=request.rank,
                 stages=stages,
                 loss=loss,
                 routes=routes,
-                microbatches=request.microbatches,
+                microbatches=config.microbatches,
                 actions=actions,
                 recv_slots=recv_slots,
-                optimizer=request.optimizer,
-                optimizer_args=json.loads(request.optimizer_args_json or "{}"),
-                rematerialize=request.rematerialize,
+                optimizer=config.optimizer,
+                optimizer_args=config.optimizer_args,
+                rematerialize=config.rematerialize,
                 transport=None,
                 timeout_s=timeout_s,
                 device=self.device,

@@ -11,6 +11,7 @@ from torch import nn
 
 import atoll
 from atoll._auth import call_metadata
+from atoll._config import JobConfig
 from atoll._export import export_pipeline
 from atoll._rpc import atoll_pb2 as pb
 from atoll._wire import spec_to_pb
@@ -157,11 +158,7 @@ def _program(exported, **overrides) -> pb.PipelineProgram:
     program = pb.PipelineProgram(
         model_program=exported.model,
         loss_program=exported.loss,
-        stages=2,
-        microbatches=2,
-        schedule="gpipe",
-        optimizer="sgd",
-        optimizer_args_json="{}",
+        config=JobConfig(stages=2, microbatches=2).to_pb(),
         input=spec_to_pb(exported.input),
         target=spec_to_pb(exported.target),
     )

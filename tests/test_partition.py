@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atoll._config import JobConfig
 from atoll._export import export_pipeline, split_names
 from atoll.controller.compiler import PipelineRequest, compile_pipeline
 from atoll.controller.partition import balanced_partition, explicit_partition
@@ -56,13 +57,10 @@ def _compile(model, x, y, stages, split_points=None, **kw):
         PipelineRequest(
             model=traced.model,
             aliases=traced.aliases,
-            split_at=split_names(model, split_points),
             loss=traced.loss,
-            ranks=stages,
-            microbatches=2,
             input=traced.input,
             target=traced.target,
-            **kw,
+            config=JobConfig(stages=stages, microbatches=2, split_at=tuple(split_names(model, split_points)), **kw),
         )
     )
 

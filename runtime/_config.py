@@ -1,0 +1,72 @@
+"""One typed job configuration, crossing every boundary as one structure (docs/architecture.md,
+"Configuration"): ``Client.pipeline``'s keyword arguments -> ``pb.JobConfig`` -> the compiler's
+request -> each worker's plan. Adding a setting means one field here and one in the proto's
+``JobConfig``; conversion goes field by field, so nothing is spelled twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll.errors import InvalidInput
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    stages: int
+    """Pipeline ranks, one worker each."""
+    microbatches: int
+    """Microbatches per step."""
+    schedule: str = "gpipe"
+    """"gpipe", "1f1b" or "interleaved_1f1b"."""
+    virtual_stages: int = 1
+    """Model chunks per rank (interleaved schedules)."""
+    optimizer: str = "sgd"
+    """"sgd", "adam" or "adamw" (atoll._optim.OPTIMIZERS)."""
+    optimizer_args: dict = field(default_factory=dict)
+    """Plain keyword arguments of the optimizer (numbers, bools, lists of numbers)."""
+    split_at: tuple[str, ...] = ()
+    """Names of the modules where stages 1, 2, ... start; empty: balanced by cost."""
+    rematerialize: bool = False
+    """Recompute each stage's forward during backward instead of stashing its activations."""
+    data_plane_timeout_s: float = 60.0
+    """Deadline of every data-plane wait (receive, send completion, group join)."""
+    device: str = "cpu"
+    """Device kind of the workers the job runs on: "cpu" or "cuda"."""
+    transport: str = "auto"
+    """"auto": each edge's transport follows from placement; or "gloo", "cuda_ipc", "nccl"."""
+    name: str = ""
+    """A label shown by status."""
+
+    def to_pb(self) -> pb.JobConfig:
+        msg = pb.JobConfig()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "optimizer_args":
+                json_format.ParseDict(value, msg.optimizer_args)
+            elif isinstance(value, tuple):
+                getattr(msg, f.name).extend(value)
+            else:
+                setattr(msg, f.name, value)
+        return msg
+
+    @staticmethod
+    def from_pb(msg: pb.JobConfig) -> JobConfig:
+        """A field left at the message's zero value takes its default here."""
+        values = {}
+        for f in dataclasses.fields(JobConfig):
+            value = getattr(msg, f.name)
+            if f.name == "optimizer_args":
+                value = json_format.MessageToDict(value)
+            elif f.type.startswith("tuple"):
+                value = tuple(value)
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and not value:
+                raise InvalidInput(f"job configuration is incomplete: {f.name} must be set to a positive value")
+            if value:
+                values[f.name] = value
+        return JobConfig(**values)
