@@ -14,11 +14,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atoll._config import JobConfig
-from atoll._dataflow import BATCH, Dataflow, Routes
-from atoll._graphs import BlockGraph, StageGraph, deserialize
-from atoll._optim import validate_optimizer
-from atoll._wire import EdgeSpec, TensorSpec
 from atoll.controller import memory_plan
 from atoll.controller.lowering import Lowered, lower
 from atoll.controller.program import StageInfo, analyze_loss, analyze_stage
@@ -26,6 +21,11 @@ from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import Timeline, simulate
 from atoll.controller.split import split_model
 from atoll.controller.topology import Topology
+from atoll.core.config import JobConfig
+from atoll.core.dataflow import BATCH, Dataflow, Routes
+from atoll.core.graphs import BlockGraph, StageGraph, deserialize
+from atoll.core.optim import validate_optimizer
+from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
 

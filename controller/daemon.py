@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from atoll._auth import resolve_token
-from atoll._graphs import forbid_pickle
 from atoll._grpc import make_server
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.service import ControllerService
+from atoll.core.graphs import forbid_pickle
 
 log = logging.getLogger("atoll.controller")
 

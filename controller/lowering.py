@@ -1,6 +1,6 @@
 """Lowering: compute-only schedules -> full per-rank action lists with SEND/RECV and STEP.
 
-Lowering works per edge of the dataflow graph (atoll._dataflow.Routes): a stage's RECV_F receives
+Lowering works per edge of the dataflow graph (atoll.core.dataflow.Routes): a stage's RECV_F receives
 every remote edge into it (possibly from several producers: a skip edge arrives straight from its
 producer), its SEND_F sends every remote edge out of it, and RECV_B/SEND_B do the same for
 gradients. An edge between two stages on one rank is a local hand-off: no SEND/RECV, no slot; the
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atoll._actions import Action, Kind
-from atoll._dataflow import Routes
 from atoll.controller.schedules import Schedule
 from atoll.controller.topology import Topology
+from atoll.core.actions import Action, Kind
+from atoll.core.dataflow import Routes
 
 
 @dataclass(frozen=True, slots=True)

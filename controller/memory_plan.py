@@ -2,7 +2,7 @@
 
 Per stage, the bytes one microbatch stashes come from running the stage on fake tensors of the
 worker's device (see controller.program) with the executor's own accounting
-(atoll._memory.SavedTensors); per rank, the lowered action
+(atoll.core.memory.SavedTensors); per rank, the lowered action
 list is then walked with the executor's observation points (after each compute and STEP, and
 mid-backward for a recomputed forward), so prediction and measurement count the same things.
 """
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 
-from atoll._actions import Kind
-from atoll._dataflow import Routes
-from atoll._graphs import BlockGraph, StageGraph, flatten, on_device
-from atoll._memory import MemorySnapshot, SavedTensors, storage_key
-from atoll._wire import EdgeSpec
 from atoll.controller.lowering import Lowered
 from atoll.controller.program import fake_inputs, fake_mode
 from atoll.controller.topology import Topology
+from atoll.core.actions import Kind
+from atoll.core.dataflow import Routes
+from atoll.core.graphs import BlockGraph, StageGraph, flatten, on_device
+from atoll.core.memory import MemorySnapshot, SavedTensors, storage_key
+from atoll.core.wire import EdgeSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from atoll._graphs import BlockGraph, deserialize, flatten
-from atoll._wire import EdgeSpec, TensorSpec
+from atoll.core.graphs import BlockGraph, deserialize, flatten
+from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from atoll._actions import Action, B, F
 from atoll.controller.topology import Topology
+from atoll.core.actions import Action, B, F
 
 Schedule = dict[int, list[Action]]
 

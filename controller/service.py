@@ -10,17 +10,17 @@ import time
 
 import grpc
 
-from atoll._actions import STEP_MODES
-from atoll._config import JobConfig
 from atoll._grpc import rpc_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll._wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
 from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
 from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.transports import edge_transports, peer_transports
+from atoll.core.actions import STEP_MODES
+from atoll.core.config import JobConfig
+from atoll.core.wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 
 log = logging.getLogger("atoll.controller")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atoll._actions import Action, Kind
-from atoll._dataflow import Routes
 from atoll.controller.topology import Topology
+from atoll.core.actions import Action, Kind
+from atoll.core.dataflow import Routes
 from atoll.errors import InvalidInput
 
 

@@ -22,11 +22,11 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from atoll._dataflow import BATCH, Dataflow, Edge, TiedParameter
-from atoll._graphs import deserialize, serialize
-from atoll._wire import EdgeSpec, TensorSpec
 from atoll.controller.partition import balanced_partition
 from atoll.controller.program import fake_inputs, fake_mode
+from atoll.core.dataflow import BATCH, Dataflow, Edge, TiedParameter
+from atoll.core.graphs import deserialize, serialize
+from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from atoll._dataflow import BATCH, Routes
 from atoll.controller.registry import WorkerRecord
+from atoll.core.dataflow import BATCH, Routes
 from atoll.errors import InvalidInput
 
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from atoll._actions import STEP_MODES, Action, Kind
-from atoll._dataflow import Routes
-from atoll._graphs import BlockGraph, StageGraph, flatten
-from atoll._memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
-from atoll._optim import build_optimizer
 from atoll._transport import DataPlaneError, Handle, Transport
-from atoll._wire import EdgeSpec, TensorSpec
+from atoll.core.actions import STEP_MODES, Action, Kind
+from atoll.core.dataflow import Routes
+from atoll.core.graphs import BlockGraph, StageGraph, flatten
+from atoll.core.memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
+from atoll.core.optim import build_optimizer
+from atoll.core.wire import EdgeSpec, TensorSpec
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 MAX_TENSORS_PER_EDGE = 64
@@ -493,7 +493,7 @@ class PipelineExecutor:
         Kind.REDUCE_GRAD: _reduce_tied,
         Kind.STEP: _optimizer_step,
     }
-    """One handler per instruction kind (atoll._actions.Kind)."""
+    """One handler per instruction kind (atoll.core.actions.Kind)."""
 
     # ------------------------------------------------------------------ state
 

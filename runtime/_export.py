@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from atoll._graphs import serialize
-from atoll._wire import EdgeSpec, TensorSpec
+from atoll.core.graphs import serialize
+from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
 

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from atoll._auth import resolve_token
-from atoll._config import JobConfig
 from atoll._export import as_leaves, export_pipeline, split_names
 from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll._wire import spec_to_pb, tensor_from_pb, tensor_to_pb
+from atoll.core.config import JobConfig
+from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
 from atoll.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
 
 

@@ -15,19 +15,19 @@ import time
 
 import torch
 
-from atoll._actions import Action
-from atoll._config import JobConfig
 from atoll._cuda_ipc import CudaIpcTransport
-from atoll._dataflow import Dataflow, Routes
 from atoll._executor import PipelineExecutor, StageSetup
-from atoll._graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
 from atoll._grpc import Endpoint, make_server, rpc_handler
 from atoll._nccl import NcclTransport
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
 from atoll._turnstile import Turnstile
-from atoll._wire import spec_from_pb, tensor_from_pb, tensor_to_pb
+from atoll.core.actions import Action
+from atoll.core.config import JobConfig
+from atoll.core.dataflow import Dataflow, Routes
+from atoll.core.graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
+from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
 
 log = logging.getLogger("atoll.worker")

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll._dataflow import Dataflow, Routes
-from atoll._wire import EdgeSpec, TensorSpec
+from atoll.core.dataflow import Dataflow, Routes
+from atoll.core.wire import EdgeSpec, TensorSpec
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: F401 (lm_loss: for tests)
 
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from atoll._optim import OPTIMIZERS
+from atoll.core.optim import OPTIMIZERS
 
 # A pipeline runs the same ATen kernels in a different process; what may differ is the order of
 # floating-point accumulation (per-microbatch backward, gradient sums), so results agree to a

@@ -11,10 +11,10 @@ from torch import nn
 
 import atoll
 from atoll._auth import call_metadata
-from atoll._config import JobConfig
 from atoll._export import export_pipeline
 from atoll._rpc import atoll_pb2 as pb
-from atoll._wire import spec_to_pb
+from atoll.core.config import JobConfig
+from atoll.core.wire import spec_to_pb
 from tests import models
 
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from atoll._config import JobConfig
 from atoll._rpc import atoll_pb2 as pb
+from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
 
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll._config import JobConfig
 from atoll._export import export_pipeline, split_names
 from atoll.controller.compiler import PipelineRequest, compile_pipeline
 from atoll.controller.partition import balanced_partition, explicit_partition
+from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
 
 

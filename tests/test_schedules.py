@@ -3,13 +3,13 @@
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from atoll._actions import Action, Kind
-from atoll._dataflow import BATCH, Dataflow, Edge, Routes, TiedParameter
-from atoll._wire import EdgeSpec, TensorSpec
 from atoll.controller.lowering import lower
 from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import ScheduleError, simulate
 from atoll.controller.topology import Topology
+from atoll.core.actions import Action, Kind
+from atoll.core.dataflow import BATCH, Dataflow, Edge, Routes, TiedParameter
+from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 from tests.models import chain_routes
 

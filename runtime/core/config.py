@@ -26,7 +26,7 @@ class JobConfig:
     virtual_stages: int = 1
     """Model chunks per rank (interleaved schedules)."""
     optimizer: str = "sgd"
-    """"sgd", "adam" or "adamw" (atoll._optim.OPTIMIZERS)."""
+    """"sgd", "adam" or "adamw" (atoll.core.optim.OPTIMIZERS)."""
     optimizer_args: dict = field(default_factory=dict)
     """Plain keyword arguments of the optimizer (numbers, bools, lists of numbers)."""
     split_at: tuple[str, ...] = ()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll._wire import EdgeSpec, TensorSpec, spec_from_pb, spec_to_pb
+from atoll.core.wire import EdgeSpec, TensorSpec, spec_from_pb, spec_to_pb
 
 BATCH = -1
 """The source of an edge that carries the step's input batch (the controller hands each

@@ -1,6 +1,6 @@
 """Exported stage graphs: safe loading, and running a stage program on flat tensor lists.
 
-A stage's inputs and outputs are flat lists of tensors (atoll._dataflow says which edge fills which
+A stage's inputs and outputs are flat lists of tensors (atoll.core.dataflow says which edge fills which
 position); an exported program's call spec restores the structure (tensor, tuple, dict) its
 forward expects, as for the loss, which takes the model's output and the target.
 """
