@@ -17,7 +17,7 @@ from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
 from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.registry import Registry, WorkerRecord
-from atoll.controller.transports import edge_transports, peer_transports
+from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
 from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
 from atoll.core.wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
@@ -124,7 +124,9 @@ class ControllerService(pb_grpc.ControllerServicer):
         usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         return usable[:ranks]
 
-    def _load_request(self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str]) -> pb.LoadPlanRequest:
+    def _load_request(
+        self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str], groups: list[str]
+    ) -> pb.LoadPlanRequest:
         topo, low = compiled.topology, compiled.lowered
         stages = [
             pb.StageProgram(
@@ -149,6 +151,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             recv_slots=[pb.RecvSlot(action=a.to_pb(), slot=slot) for a, slot in low.recv_slots[rank].items()],
             num_stages=topo.num_stages,
             peer_transports=peers,
+            groups=groups,
             edges=edges,
             tied=tied,
         )
@@ -167,9 +170,11 @@ class ControllerService(pb_grpc.ControllerServicer):
             workers = self._place(compiled.topology.ranks, compiled.request.config.device)
             edges = edge_transports(compiled.routes, workers, compiled.request.config.transport)
             peers = peer_transports(edges, compiled.topology.ranks)
+            # process groups are joined by every rank of the job or by none
+            groups = sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)
             job_id = f"job{next(self._job_ids)}"
             report = compiled.report({r: f"{w.worker_id} {w.address} {w.device}" for r, w in enumerate(workers)})
-            report["edges"] = edges
+            report["edges"], report["groups"] = edges, groups
             job = Job(
                 job_id=job_id,
                 name=compiled.request.config.name or job_id,
@@ -180,7 +185,10 @@ class ControllerService(pb_grpc.ControllerServicer):
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
-        calls = [Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r])) for r, w in enumerate(workers)]
+        calls = [
+            Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r], groups))
+            for r, w in enumerate(workers)
+        ]
         try:
             self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
         except DispatchError as e:

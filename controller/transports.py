@@ -21,6 +21,9 @@ from atoll.controller.registry import WorkerRecord
 from atoll.core.dataflow import BATCH, Routes
 from atoll.errors import InvalidInput
 
+GROUP_TRANSPORTS = frozenset({"gloo", "nccl"})
+"""Transports built as process groups: every rank of a job joins them, or none does."""
+
 
 def same_gpu(a: WorkerRecord, b: WorkerRecord) -> bool:
     return a.host == b.host and bool(a.gpu_uuid) and a.gpu_uuid == b.gpu_uuid

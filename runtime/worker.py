@@ -142,8 +142,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _connect(self, request: pb.LoadPlanRequest, executor: PipelineExecutor, timeout_s: float) -> PeerTransports:
         """The transports the plan names for this rank's edges, one per peer rank.
 
-        Every rank joins the job's gloo group (it is collective: all ranks or none); NCCL and
-        CUDA IPC are set up only between the ranks whose edges use them."""
+        gloo and NCCL are process groups, joined by all ranks or none: every rank joins those the
+        plan lists in ``groups`` (any edge of the job uses them), even with no edge of its own on
+        them. CUDA IPC is set up only between the ranks whose edges use it."""
         store = request.store_address
         if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
             store = f"{self.controller_host}{store}"
@@ -151,14 +152,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         by_name: dict[str, object] = {}
         try:
             job_store = open_store(store, request.store_prefix, timeout_s)
-            by_name["gloo"] = GlooTransport(
-                store=job_store,
-                rank=request.rank,
-                world_size=request.world_size,
-                hostname=self.host,
-                timeout_s=timeout_s,
-            )
-            if "nccl" in peers.values():
+            if "gloo" in request.groups:
+                by_name["gloo"] = GlooTransport(
+                    store=job_store,
+                    rank=request.rank,
+                    world_size=request.world_size,
+                    hostname=self.host,
+                    timeout_s=timeout_s,
+                )
+            if "nccl" in request.groups:
                 by_name["nccl"] = NcclTransport(
                     store=job_store, rank=request.rank, world_size=request.world_size, timeout_s=timeout_s
                 )

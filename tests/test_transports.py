@@ -37,6 +37,7 @@ def test_placed_plan_records_a_transport_per_edge(client4):
     job = client4.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=2)
     try:
         assert [e["transport"] for e in job.plan.report["edges"]] == ["gloo"] * 3
+        assert job.plan.report["groups"] == ["gloo"]  # every rank joins the job's gloo group
         assert "0->1 rank 0->1 gloo" in job.plan.render()
     finally:
         job.close()
