@@ -1,4 +1,4 @@
-"""Split an ordered sequence of blocks into contiguous stages of balanced cost."""
+"""Split an ordered sequence of pieces (a model's segments) into contiguous stages of balanced cost."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ def balanced_partition(costs: Sequence[float], parts: int) -> list[range]:
     n = len(costs)
     if parts > n:
         raise InvalidInput(
-            f"cannot split {n} blocks into {parts} stages: each stage needs a block "
-            f"(give the model more top-level children, or fewer stages)"
+            f"cannot split {n} pieces into {parts} stages: each stage needs one "
+            f"(the model has too few places to cut; give fewer stages)"
         )
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = float("inf")
-    # best[k][i]: least max-part cost of splitting the first i blocks into k parts
+    # best[k][i]: least max-part cost of splitting the first i pieces into k parts
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
@@ -38,14 +38,3 @@ def balanced_partition(costs: Sequence[float], parts: int) -> list[range]:
         bounds.append(range(j, i))
         i = j
     return bounds[::-1]
-
-
-def explicit_partition(n: int, split_points: Sequence[int], parts: int) -> list[range]:
-    """Stages starting at block 0 and at each split point (indices of the first block of a stage)."""
-    points = list(split_points)
-    if len(points) != parts - 1:
-        raise InvalidInput(f"{parts} stages need {parts - 1} split points, got {len(points)}: {points}")
-    if points != sorted(set(points)) or (points and (points[0] <= 0 or points[-1] >= n)):
-        raise InvalidInput(f"split points must be increasing block indices in 1..{n - 1}, got {points}")
-    starts = [0, *points, n]
-    return [range(a, b) for a, b in zip(starts, starts[1:])]

@@ -163,7 +163,8 @@ class _ModelGraph:
 
 def _segments(g: _ModelGraph, num_stages: int) -> list[_Segment]:
     """Runs of nodes per module, top-level children first, split deeper where a segment alone
-    costs more than a stage's share (or there are fewer segments than stages)."""
+    costs more than a stage's share (or there are fewer segments than stages; then, as a last
+    resort, between single operations)."""
 
     def runs(indices: list[int], depth: int) -> list[_Segment]:
         out: list[_Segment] = []
@@ -183,10 +184,15 @@ def _segments(g: _ModelGraph, num_stages: int) -> list[_Segment]:
             (s for s in segments if len(runs(s.nodes, s.depth + 1)) > 1), key=lambda s: s.cost, reverse=True
         )
         pick = next((s for s in candidates if s.cost > share or len(segments) < num_stages), None)
-        if pick is None:
+        if pick is not None:
+            at = segments.index(pick)
+            segments[at : at + 1] = runs(pick.nodes, pick.depth + 1)
+        elif len(segments) < num_stages:  # too few modules (ops in the model's own forward): cut between ops
+            pick = max((s for s in segments if len(s.nodes) > 1), key=lambda s: s.cost)
+            at = segments.index(pick)
+            segments[at : at + 1] = [_Segment(pick.key, pick.depth, [i], g.costs[i]) for i in pick.nodes]
+        else:
             return segments
-        at = segments.index(pick)
-        segments[at : at + 1] = runs(pick.nodes, pick.depth + 1)
 
 
 def _auto_boundaries(g: _ModelGraph, num_stages: int) -> list[int]:

@@ -25,8 +25,6 @@ from atoll.core.wire import EdgeSpec, TensorSpec
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 MAX_TENSORS_PER_EDGE = 64
-
-
 MAX_RANKS = 4096
 
 

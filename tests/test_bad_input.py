@@ -134,6 +134,10 @@ def test_model_that_cannot_be_split(client4, mlp_job):
         pipeline(model, stages=2, split_points=["1.5"])
     with pytest.raises(atoll.InvalidInput, match="in the order the forward runs them"):
         pipeline(model, stages=3, split_points=["2", "1"])
+    with pytest.raises(atoll.InvalidInput, match="in the order the forward runs them"):
+        pipeline(model, stages=2, split_points=["0"])  # stage 0 would be empty
+    with pytest.raises(atoll.InvalidInput, match="3 stages need 2 split points, got 1"):
+        pipeline(model, stages=3, split_points=["1"])
     with pytest.raises(atoll.InvalidInput, match="split point 7 is not a child index in 1..2"):
         pipeline(model, stages=2, split_points=[7])
     still_serving(*mlp_job)

@@ -152,3 +152,29 @@ def test_hugging_face_causal_lm_matches_single_process(client4):
     assert {(src, dst) for src, dst, _, skip in _dataflow(job) if skip} >= {(0, 2), (0, 3)}
     ref_losses, ref_state = train_reference(model, batches, models.lm_loss, 4, "sgd", args)
     assert_matches_reference(losses, state, ref_losses, ref_state)
+
+
+class _NoSubmodules(nn.Module):
+    """All code in the model's own forward: the split falls back to cutting between operations.
+    ``w`` is used on both sides of the cut, so it is tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16) / 4)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) @ self.w.t()
+
+
+def test_model_without_submodules_is_cut_between_operations(client4):
+    torch.manual_seed(0)
+    model = _NoSubmodules()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+    args = OPTIMIZERS["adamw"]
+    job, losses, state = run_pipeline(
+        client4, model, batches, F.mse_loss, stages=2, microbatches=2, optimizer="adamw", optimizer_args=args
+    )
+    assert job.plan.report["tied_parameters"] == {"w": [0, 1]}
+    ref_losses, ref_state = train_reference(model, batches, F.mse_loss, 2, "adamw", args)
+    assert_matches_reference(losses, state, ref_losses, ref_state)

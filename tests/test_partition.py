@@ -10,7 +10,7 @@ from torch import nn
 
 from atoll._export import export_pipeline, split_names
 from atoll.controller.compiler import PipelineRequest, compile_pipeline
-from atoll.controller.partition import balanced_partition, explicit_partition
+from atoll.controller.partition import balanced_partition
 from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
 
@@ -40,15 +40,9 @@ def test_heavy_block_gets_a_stage_of_its_own():
 
 
 def test_partition_errors():
-    with pytest.raises(InvalidInput, match="cannot split 2 blocks into 3 stages"):
+    with pytest.raises(InvalidInput, match="cannot split 2 pieces into 3 stages"):
         balanced_partition([1, 1], 3)
-    assert explicit_partition(5, [2, 3], 3) == [range(0, 2), range(2, 3), range(3, 5)]
-    with pytest.raises(InvalidInput, match="need 2 split points"):
-        explicit_partition(5, [2], 3)
-    with pytest.raises(InvalidInput, match="increasing block indices"):
-        explicit_partition(5, [3, 2], 3)
-    with pytest.raises(InvalidInput, match="increasing block indices"):
-        explicit_partition(5, [0, 2], 3)
+    # explicit split points are module names now: their errors are in tests/test_bad_input.py
 
 
 def _compile(model, x, y, stages, split_points=None, **kw):
