@@ -23,13 +23,15 @@ class WorkerRecord:
     pid: int
     gpu_uuid: str
     endpoint: Endpoint
+    island: str = ""
+    """Workers with a fast interconnect (by default, one host's)."""
     last_heartbeat: float = field(default_factory=time.monotonic)
     alive: bool = True
     death: str = ""
     jobs: set[str] = field(default_factory=set)
 
     def describe(self) -> str:
-        return f"worker {self.worker_id} ({self.device} at {self.address})"
+        return f"worker {self.worker_id} ({self.device} at {self.address}, island {self.island})"
 
 
 class Registry:
@@ -68,6 +70,7 @@ class Registry:
                 host=req.host,
                 pid=req.pid,
                 gpu_uuid=req.gpu_uuid,
+                island=req.island or req.host,
                 endpoint=Endpoint(req.address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s),
             )
             self._workers[record.worker_id] = record

@@ -108,21 +108,44 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise JobFailed(f"job {job_id} is {job.state.value}")
         return job
 
-    def _place(self, ranks: int, device: str) -> list[WorkerRecord]:
-        """``ranks`` live workers of the job's device kind, least loaded first."""
+    def _place(self, ranks: int, device: str, islands: tuple[str, ...] = ()) -> list[WorkerRecord]:
+        """``ranks`` live workers of the job's device kind, least loaded first; rank r on island
+        ``islands[r]`` where one is named. All or nothing: a request that cannot be met whole
+        fails, naming what was asked and what exists."""
         live = self.registry.live()
         usable = [w for w in live if w.device.split(":")[0] == device]
-        if len(usable) < ranks:
-            names = ", ".join(w.worker_id for w in usable) or "none"
-            others = sorted({w.device for w in live} - {w.device for w in usable})
-            elsewhere = f"; other live workers have {', '.join(others)}" if others else ""
-            raise NotEnoughWorkers(
-                f"the program needs {ranks} workers of device kind '{device}' (one per pipeline rank) "
-                f"but {len(usable)} are alive ({names}){elsewhere}"
-            )
         # least-loaded first; registration order breaks ties so placement is repeatable
         usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
-        return usable[:ranks]
+        wanted = list(islands) + [""] * (ranks - len(islands))
+        chosen: dict[int, WorkerRecord] = {}
+        # ranks bound to an island first, so an unbound rank does not take a bound rank's worker
+        for r in sorted(range(ranks), key=lambda r: wanted[r] == ""):
+            pick = next((w for w in usable if w not in chosen.values() and wanted[r] in ("", w.island)), None)
+            if pick is None:
+                raise NotEnoughWorkers(self._shortfall(ranks, device, wanted, live))
+            chosen[r] = pick
+        return [chosen[r] for r in range(ranks)]
+
+    @staticmethod
+    def _shortfall(ranks: int, device: str, wanted: list[str], live: list[WorkerRecord]) -> str:
+        usable = [w for w in live if w.device.split(":")[0] == device]
+        names = ", ".join(w.worker_id for w in usable) or "none"
+        if any(wanted):
+            asked = {i: wanted.count(i) for i in dict.fromkeys(wanted)}
+            have = {}
+            for w in usable:
+                have[w.island] = have.get(w.island, 0) + 1
+            shown = lambda d: ", ".join(f"{n} on {i or 'any island'}" for i, n in d.items()) or "none"  # noqa: E731
+            return (
+                f"the program needs {ranks} workers of device kind '{device}' ({shown(asked)}) "
+                f"but the live ones are: {shown(have)}"
+            )
+        others = sorted({w.device for w in live} - {w.device for w in usable})
+        elsewhere = f"; other live workers have {', '.join(others)}" if others else ""
+        return (
+            f"the program needs {ranks} workers of device kind '{device}' (one per pipeline rank) "
+            f"but {len(usable)} are alive ({names}){elsewhere}"
+        )
 
     def _load_request(
         self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str], groups: list[str]
@@ -167,7 +190,8 @@ class ControllerService(pb_grpc.ControllerServicer):
     def SubmitPipeline(self, request, context):
         compiled = compile_pipeline(decode_program(request))
         with self._lock:  # placement and bookkeeping are one decision
-            workers = self._place(compiled.topology.ranks, compiled.request.config.device)
+            cfg = compiled.request.config
+            workers = self._place(compiled.topology.ranks, cfg.device, cfg.islands)
             edges = edge_transports(compiled.routes, workers, compiled.request.config.transport)
             peers = peer_transports(edges, compiled.topology.ranks)
             # process groups are joined by every rank of the job or by none
@@ -377,6 +401,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                     seconds_since_heartbeat=now - w.last_heartbeat,
                     jobs=sorted(w.jobs),
                     pid=w.pid,
+                    island=w.island,
                 )
                 for w in self.registry.all()
             ],

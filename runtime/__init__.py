@@ -20,6 +20,7 @@ from atoll.errors import (
 )
 from atoll.local import LocalCluster
 from atoll.plan import ClusterStatus, Plan
+from atoll.program import Program, Value
 
 __all__ = [
     "AtollError",
@@ -33,9 +34,11 @@ __all__ = [
     "NotEnoughWorkers",
     "NotFound",
     "Plan",
+    "Program",
     "StepFuture",
     "StepResult",
     "Unauthenticated",
+    "Value",
     "WorkerUnavailable",
     "connect",
 ]

@@ -78,6 +78,7 @@ def _worker(args) -> None:
         host=args.host,
         port=args.port,
         advertise_host=args.advertise_host,
+        island=args.island,
         allow_pickle=args.allow_pickle,
     )
     _serve_until_stopped(
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and data plane)")
     p.add_argument("--advertise-host", default=None, help="address peers use to reach this worker (default: --host)")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--island", default="", help="island label: workers with a fast interconnect (default: host name)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     _add_common(p)
     p.set_defaults(run=_worker)

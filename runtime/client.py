@@ -16,7 +16,9 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.core.config import JobConfig
 from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
+from atoll.errors import InvalidInput
 from atoll.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
+from atoll.program import Program
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,7 @@ class Client:
         device: str = "cpu",
         transport: str = "auto",
         name: str = "",
+        islands: list[str] | None = None,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
 
@@ -191,7 +194,8 @@ class Client:
         ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
         ``transport`` is "auto" (each edge's transport follows from placement: cuda_ipc between
         workers on one GPU, nccl between GPUs, gloo otherwise) or one of "gloo", "cuda_ipc",
-        "nccl" forced for every edge.
+        "nccl" forced for every edge. ``islands`` names, per rank, the island its worker must be
+        on ("" for any).
         """
         config = JobConfig(
             stages=stages,
@@ -206,6 +210,7 @@ class Client:
             device=device,
             transport=transport,
             name=name or type(model).__name__,
+            islands=tuple(islands or ()),
         )
         exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(
@@ -219,6 +224,26 @@ class Client:
         reply = self._call("SubmitPipeline", program, timeout_s=600.0)
         return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
+    def compile(self, program: Program, **settings) -> Job:
+        """Compile an MPMD ``Program`` and load it: one stage per program stage, each on a worker
+        of its island. ``settings`` are those of ``pipeline`` (microbatches, schedule, optimizer,
+        ...), less what the program decides (stages, split points, islands)."""
+        decided = {"stages", "split_points", "islands"} & settings.keys()
+        if decided:
+            raise InvalidInput(f"a program decides {', '.join(sorted(decided))} itself")
+        model = program.module()
+        example_input, example_target = program.example_batch()
+        return self.pipeline(
+            model,
+            example_input=example_input,
+            example_target=example_target,
+            loss_fn=program.loss_fn,
+            stages=len(program.stage_names),
+            split_points=[f"stages.{name}" for name in program.stage_names[1:]],
+            islands=program.islands,
+            **settings,
+        )
+
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""
         reply = self._call("GetPlan", pb.JobRef(job_id=job_id))
@@ -229,7 +254,15 @@ class Client:
         return ClusterStatus(
             workers=tuple(
                 WorkerStatus(
-                    w.worker_id, w.address, w.device, w.host, w.alive, w.seconds_since_heartbeat, tuple(w.jobs), w.pid
+                    w.worker_id,
+                    w.address,
+                    w.device,
+                    w.host,
+                    w.alive,
+                    w.seconds_since_heartbeat,
+                    tuple(w.jobs),
+                    w.pid,
+                    w.island,
                 )
                 for w in reply.workers
             ),

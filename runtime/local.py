@@ -34,7 +34,8 @@ class LocalCluster:
     """Starts a controller and ``workers`` workers with a fresh token; stops them all on exit.
 
     ``devices`` gives each worker's device ("cpu", "cuda:0", ...); by default all are CPU
-    workers. Several workers may share one GPU: their edges then go over CUDA IPC.
+    workers. Several workers may share one GPU: their edges then go over CUDA IPC. ``islands``
+    gives each worker's island label (by default, all are on this host's island).
 
     Use as a context manager. Every process is started by this object, tracked by PID, and
     stopped on exit (also when the body raises); each daemon also exits by itself if this
@@ -51,12 +52,16 @@ class LocalCluster:
         keep_logs: bool = False,
         log_level: str = "WARNING",
         devices: list[str] | None = None,
+        islands: list[str] | None = None,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if devices is not None and len(devices) != workers:
             raise ValueError(f"devices names {len(devices)} devices for {workers} workers")
         self.devices = list(devices) if devices is not None else ["cpu"] * workers
+        if islands is not None and len(islands) != workers:
+            raise ValueError(f"islands names {len(islands)} islands for {workers} workers")
+        self.islands = list(islands) if islands is not None else [""] * workers
         self.num_workers = workers
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.startup_timeout_s = startup_timeout_s
@@ -148,6 +153,7 @@ class LocalCluster:
                             str(self.threads_per_worker),
                             "--ready-file",
                             str(self.log_dir / f"worker{i}.ready"),
+                            *(["--island", self.islands[i]] if self.islands[i] else []),
                         ],
                     )
                 )

@@ -88,6 +88,7 @@ class WorkerStatus:
     seconds_since_heartbeat: float
     jobs: tuple[str, ...]
     pid: int
+    island: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class ClusterStatus:
         for w in self.workers:
             state = "alive" if w.alive else "dead"
             lines.append(
-                f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} pid={w.pid} "
+                f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} island={w.island} pid={w.pid} "
                 f"heartbeat {w.seconds_since_heartbeat:.1f}s ago  jobs={','.join(w.jobs) or '-'}"
             )
         lines.append(f"jobs ({len(self.jobs)}):")

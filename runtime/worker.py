@@ -233,6 +233,7 @@ class WorkerDaemon:
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        island: str = "",
         allow_pickle: bool = False,
     ):
         forbid_pickle(allow_pickle)
@@ -243,6 +244,7 @@ class WorkerDaemon:
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
         self.address = f"{advertise_host or host}:{self.port}"
         self.device = device
+        self.island = island
         self._controller = Endpoint(controller, token, pb_grpc.ControllerStub, default_timeout_s=10.0)
         self._stop = threading.Event()
         self.worker_id = ""
@@ -255,7 +257,12 @@ class WorkerDaemon:
         reply = self._controller.call(
             "RegisterWorker",
             pb.RegisterWorkerRequest(
-                address=self.address, device=self.device, host=socket.gethostname(), pid=os.getpid(), gpu_uuid=gpu_uuid
+                address=self.address,
+                device=self.device,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                gpu_uuid=gpu_uuid,
+                island=self.island,
             ),
         )
         if self.worker_id:  # registering again: the controller restarted or declared us dead

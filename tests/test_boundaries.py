@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # the user's side: public API, client, export, plan and status views, the local cluster launcher
-CLIENT = {"atoll", "atoll.client", "atoll._export", "atoll.plan", "atoll.local"}
+CLIENT = {"atoll", "atoll.client", "atoll._export", "atoll.plan", "atoll.program", "atoll.local"}
 # the worker's side: daemon, executor, data plane
 WORKER = {"atoll.worker", "atoll._executor", "atoll._transport", "atoll._cuda_ipc", "atoll._nccl", "atoll._turnstile"}
 # composes both sides, by design

@@ -41,6 +41,8 @@ class JobConfig:
     """"auto": each edge's transport follows from placement; or "gloo", "cuda_ipc", "nccl"."""
     name: str = ""
     """A label shown by status."""
+    islands: tuple[str, ...] = ()
+    """Per rank, the island its worker must be on ("" or absent: any island)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()

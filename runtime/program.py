@@ -1,0 +1,149 @@
+"""MPMD programs: a DAG of different modules, each a stage placed on its own island.
+
+A ``Program`` records stages and the values between them; ``Client.compile`` turns it into one
+module whose forward runs the stages in the order they were added, and submits that through the
+same whole-model path as ``Client.pipeline``, with one stage per program stage (split where each
+stage's module starts) and each stage's worker taken from its island. Fan-out (a value read by
+several stages) and fan-in (a stage reading several) become edges of the dataflow graph; stages
+that do not depend on each other run at the same time on their workers.
+
+    prog = atoll.Program()
+    x, y = prog.input("x", example_x), prog.input("y", example_y)
+    a = prog.stage(tower_a, x, island="a")
+    b = prog.stage(tower_b, x, island="b")       # fan-out: x goes to both
+    out = prog.stage(head, a, b, island="c")     # fan-in
+    prog.loss(loss_fn, out, y)
+    job = client.compile(prog, microbatches=4, schedule="1f1b", optimizer="adamw")
+    job.step(x_batch, y_batch)                   # inputs in the order declared, the target last
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atoll.errors import InvalidInput
+
+
+@dataclass(frozen=True, eq=False)
+class Value:
+    """A value of a program: an input, a stage's output, or one item of a stage's tuple output."""
+
+    program: Program
+    source: str
+    """"input", "stage" or "item"."""
+    ref: object
+
+    def __getitem__(self, index: int) -> Value:
+        return Value(self.program, "item", (self, index))
+
+
+@dataclass(frozen=True)
+class _Stage:
+    name: str
+    module: nn.Module
+    args: tuple[Value, ...]
+    island: str
+
+
+class Program:
+    def __init__(self):
+        self._inputs: list[tuple[str, torch.Tensor]] = []
+        self._stages: list[_Stage] = []
+        self._loss: tuple[object, Value, Value] | None = None
+
+    def input(self, name: str, example: torch.Tensor) -> Value:
+        """A per-step input (one full batch as ``example``); the loss's target is declared here too."""
+        if not isinstance(example, torch.Tensor):
+            raise InvalidInput(f"input {name!r}: the example must be a tensor, got {type(example).__name__}")
+        if name in (n for n, _ in self._inputs):
+            raise InvalidInput(f"input {name!r} is declared twice")
+        self._inputs.append((name, example))
+        return Value(self, "input", name)
+
+    def stage(self, module: nn.Module, *args: Value, island: str = "", name: str = "") -> Value:
+        """Run ``module(*args)`` as its own stage, on a worker of ``island`` ("" for any)."""
+        if not isinstance(module, nn.Module):
+            raise InvalidInput(f"a stage runs an nn.Module, got {type(module).__name__}")
+        for a in args:
+            if not isinstance(a, Value) or a.program is not self:
+                raise InvalidInput("a stage's arguments must be values of the same program")
+        name = name or f"s{len(self._stages)}"
+        if not name.isidentifier() or name in (s.name for s in self._stages):
+            raise InvalidInput(f"stage name {name!r} must be a new Python identifier")
+        self._stages.append(_Stage(name, module, args, island))
+        return Value(self, "stage", name)
+
+    def loss(self, loss_fn, output: Value, target: Value) -> None:
+        """The scalar to minimize: ``loss_fn(output, target)``; ``target`` is one of the inputs."""
+        if output.source == "input" or target.source != "input":
+            raise InvalidInput("the loss takes a stage's output and an input (the target)")
+        self._loss = (loss_fn, output, target)
+
+    # ------------------------------------------------------------------ what the client submits
+
+    def _checked(self) -> tuple[object, Value, Value]:
+        if not self._stages:
+            raise InvalidInput("the program has no stage")
+        if self._loss is None:
+            raise InvalidInput("the program has no loss (call Program.loss)")
+        return self._loss
+
+    @property
+    def target_name(self) -> str:
+        return self._checked()[2].ref
+
+    @property
+    def input_names(self) -> list[str]:
+        """The inputs the stages read, in the order declared (the target excluded)."""
+        return [n for n, _ in self._inputs if n != self.target_name]
+
+    @property
+    def islands(self) -> list[str]:
+        return [s.island for s in self._stages]
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self._stages]
+
+    def example_batch(self) -> tuple[object, torch.Tensor]:
+        """(input, target) as ``Job.step`` takes them: one tensor, or a tuple in the declared order."""
+        examples = dict(self._inputs)
+        inputs = tuple(examples[n] for n in self.input_names)
+        return (inputs[0] if len(inputs) == 1 else inputs), examples[self.target_name]
+
+    @property
+    def loss_fn(self):
+        return self._checked()[0]
+
+    def module(self) -> nn.Module:
+        """The whole program as one module (what is exported, and a single-process reference)."""
+        _, output, _ = self._checked()
+        return _ProgramModule(self._stages, self.input_names, output)
+
+
+class _ProgramModule(nn.Module):
+    def __init__(self, stages: list[_Stage], input_names: list[str], output: Value):
+        super().__init__()
+        self.stages = nn.ModuleDict({s.name: s.module for s in stages})
+        self._plan = [(s.name, s.args) for s in stages]
+        self._input_names = input_names
+        self._output = output
+
+    def forward(self, inputs):
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        env = dict(zip(self._input_names, inputs))
+        for name, args in self._plan:
+            env[name] = self.stages[name](*(_resolve(a, env) for a in args))
+        return _resolve(self._output, env)
+
+
+def _resolve(value: Value, env: dict):
+    if value.source == "item":
+        inner, index = value.ref
+        return _resolve(inner, env)[index]
+    if value.ref not in env:
+        raise InvalidInput(f"value {value.ref!r} is the target, which no stage may read")
+    return env[value.ref]
