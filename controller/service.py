@@ -132,8 +132,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         names = ", ".join(w.worker_id for w in usable) or "none"
         if any(wanted):
             asked = {i: wanted.count(i) for i in dict.fromkeys(wanted)}
-            have = {}
-            for w in usable:
+            have: dict[str, int] = {}
+            for w in sorted(usable, key=lambda w: w.island):
                 have[w.island] = have.get(w.island, 0) + 1
             shown = lambda d: ", ".join(f"{n} on {i or 'any island'}" for i, n in d.items()) or "none"  # noqa: E731
             return (

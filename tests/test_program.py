@@ -75,7 +75,7 @@ def test_two_towers_on_three_islands_match_single_process(islands_cluster):
 def test_island_requests_that_cannot_be_met_are_refused_whole(islands_cluster):
     prog, _ = _two_towers(head_island="z")
     with islands_cluster.client() as client:
-        with pytest.raises(atoll.NotEnoughWorkers, match=r"1 on a, 1 on b, 1 on z\) but the live ones are: 1 on a"):
+        with pytest.raises(atoll.NotEnoughWorkers, match=r"1 on a, 1 on b, 1 on z\) but the live ones are: 1 on a, 1 on b, 2 on c"):
             client.compile(prog, microbatches=4)
         with pytest.raises(atoll.InvalidInput, match="a program decides stages itself"):
             client.compile(prog, microbatches=4, stages=2)
