@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import time
 from dataclasses import dataclass, field
 
 from atoll.controller.compiler import CompiledPipeline
@@ -32,6 +33,11 @@ class Job:
     next_seq: int = 1
     """The client's number of the next step to dispatch: steps go out in the client's order."""
     order: threading.Condition = field(default_factory=threading.Condition)
+    loaded_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def exclusive(self) -> bool:
+        return self.compiled.request.config.exclusive
 
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""

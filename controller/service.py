@@ -13,6 +13,7 @@ import grpc
 from atoll._grpc import rpc_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.controller.admission import AdmissionQueue, Ticket
 from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
 from atoll.controller.jobs import GangScheduler, Job, JobState
@@ -66,6 +67,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         self._closed: set[str] = set()  # ids only: a closed job's plan and weights are dropped
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
+        self.admission = AdmissionQueue(self._lock)
 
     # ------------------------------------------------------------------ workers
 
@@ -82,6 +84,8 @@ class ControllerService(pb_grpc.ControllerServicer):
     def RegisterWorker(self, request, context):
         record = self.registry.register(request)
         log.info("registered %s", record.describe())
+        with self._lock:
+            self.admission.released()  # a queued request may fit now
         return pb.RegisterWorkerReply(
             worker_id=record.worker_id, heartbeat_interval_s=self.registry.heartbeat_interval_s
         )
@@ -108,12 +112,18 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise JobFailed(f"job {job_id} is {job.state.value}")
         return job
 
-    def _place(self, ranks: int, device: str, islands: tuple[str, ...] = ()) -> list[WorkerRecord]:
+    def _place(
+        self, ranks: int, device: str, islands: tuple[str, ...] = (), exclusive: bool = False
+    ) -> list[WorkerRecord]:
         """``ranks`` live workers of the job's device kind, least loaded first; rank r on island
-        ``islands[r]`` where one is named. All or nothing: a request that cannot be met whole
-        fails, naming what was asked and what exists."""
+        ``islands[r]`` where one is named; for an exclusive job, only idle workers, and never a
+        worker an exclusive job holds. All or nothing: a request that cannot be met whole fails,
+        naming what was asked and what exists. Call with ``self._lock`` held."""
         live = self.registry.live()
-        usable = [w for w in live if w.device.split(":")[0] == device]
+        held = {jid for jid, j in self._jobs.items() if j.exclusive and j.state is not JobState.FAILED}
+        usable = [
+            w for w in live if w.device.split(":")[0] == device and not (w.jobs & held) and not (exclusive and w.jobs)
+        ]
         # least-loaded first; registration order breaks ties so placement is repeatable
         usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         wanted = list(islands) + [""] * (ranks - len(islands))
@@ -122,13 +132,19 @@ class ControllerService(pb_grpc.ControllerServicer):
         for r in sorted(range(ranks), key=lambda r: wanted[r] == ""):
             pick = next((w for w in usable if w not in chosen.values() and wanted[r] in ("", w.island)), None)
             if pick is None:
-                raise NotEnoughWorkers(self._shortfall(ranks, device, wanted, live))
+                raise NotEnoughWorkers(self._shortfall(ranks, device, wanted, live, usable, exclusive))
             chosen[r] = pick
         return [chosen[r] for r in range(ranks)]
 
     @staticmethod
-    def _shortfall(ranks: int, device: str, wanted: list[str], live: list[WorkerRecord]) -> str:
-        usable = [w for w in live if w.device.split(":")[0] == device]
+    def _shortfall(ranks, device, wanted, live, usable, exclusive) -> str:
+        if len(usable) < len([w for w in live if w.device.split(":")[0] == device]):
+            kind = "idle " if exclusive else ""
+            return (
+                f"the program needs {ranks} {kind}workers of device kind '{device}' but {len(usable)} are free "
+                f"(the others are held by {'jobs' if exclusive else 'exclusive jobs'}; islands: "
+                f"{', '.join(sorted({w.island for w in usable})) or 'none'})"
+            )
         names = ", ".join(w.worker_id for w in usable) or "none"
         if any(wanted):
             asked = {i: wanted.count(i) for i in dict.fromkeys(wanted)}
@@ -189,9 +205,14 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def SubmitPipeline(self, request, context):
         compiled = compile_pipeline(decode_program(request))
+        cfg = compiled.request.config
+        ticket = Ticket(cfg.name, compiled.topology.ranks, cfg.device, cfg.islands, cfg.exclusive)
         with self._lock:  # placement and bookkeeping are one decision
-            cfg = compiled.request.config
-            workers = self._place(compiled.topology.ranks, cfg.device, cfg.islands)
+            workers = self.admission.admit(
+                ticket,
+                lambda: self._place(compiled.topology.ranks, cfg.device, cfg.islands, cfg.exclusive),
+                cfg.admission_timeout_s,
+            )
             edges = edge_transports(compiled.routes, workers, compiled.request.config.transport)
             peers = peer_transports(edges, compiled.topology.ranks)
             # process groups are joined by every rank of the job or by none
@@ -219,7 +240,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             job.fail(f"loading failed: {e}")
             self._unload(job, wait=True)
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
-        job.state = JobState.READY
+        job.state, job.loaded_at = JobState.READY, time.monotonic()
         log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
         return pb.SubmitReply(job_id=job_id, plan_json=json.dumps(report))
 
@@ -362,8 +383,10 @@ class ControllerService(pb_grpc.ControllerServicer):
             self.dispatcher.each(calls, 10.0)
         else:
             self.dispatcher.submit(calls, 10.0)
-        for w in job.workers:
-            w.jobs.discard(job.job_id)
+        with self._lock:
+            for w in job.workers:
+                w.jobs.discard(job.job_id)
+            self.admission.released()
 
     def _fail(self, job: Job, reason: str) -> None:
         """Fail the job and free what it holds on its workers at once (nothing can use it any
@@ -390,7 +413,19 @@ class ControllerService(pb_grpc.ControllerServicer):
         now = time.monotonic()
         with self._lock:
             jobs = list(self._jobs.values())
+            queue = self.admission.snapshot()
         return pb.StatusReply(
+            queue=[
+                pb.QueuedRequest(
+                    name=t.name,
+                    ranks=t.ranks,
+                    device=t.device,
+                    islands=t.islands,
+                    exclusive=t.exclusive,
+                    waited_s=now - t.since,
+                )
+                for t in queue
+            ],
             workers=[
                 pb.WorkerInfo(
                     worker_id=w.worker_id,
@@ -415,6 +450,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                     schedule=j.compiled.topology.schedule,
                     stages=j.compiled.topology.ranks,
                     error=j.error,
+                    steps_per_s=j.steps / max(now - j.loaded_at, 1e-9),
+                    exclusive=j.exclusive,
                 )
                 for j in jobs
             ],

@@ -17,7 +17,7 @@ from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.core.config import JobConfig
 from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
 from atoll.errors import InvalidInput
-from atoll.plan import ClusterStatus, JobStatus, Plan, WorkerStatus
+from atoll.plan import ClusterStatus, JobStatus, Plan, QueuedRequest, WorkerStatus
 from atoll.program import Program
 
 
@@ -177,6 +177,8 @@ class Client:
         transport: str = "auto",
         name: str = "",
         islands: list[str] | None = None,
+        exclusive: bool = False,
+        admission_timeout_s: float = 0.0,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
 
@@ -195,7 +197,10 @@ class Client:
         ``transport`` is "auto" (each edge's transport follows from placement: cuda_ipc between
         workers on one GPU, nccl between GPUs, gloo otherwise) or one of "gloo", "cuda_ipc",
         "nccl" forced for every edge. ``islands`` names, per rank, the island its worker must be
-        on ("" for any).
+        on ("" for any). ``exclusive`` asks for workers no other job uses and keeps them (by
+        default jobs share workers, ordered by the gang schedule). When the cluster cannot meet
+        the request now, it waits up to ``admission_timeout_s`` in the controller's admission
+        queue (arrival order), then fails with ``NotEnoughWorkers``.
         """
         config = JobConfig(
             stages=stages,
@@ -211,6 +216,8 @@ class Client:
             transport=transport,
             name=name or type(model).__name__,
             islands=tuple(islands or ()),
+            exclusive=exclusive,
+            admission_timeout_s=admission_timeout_s,
         )
         exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(
@@ -267,8 +274,22 @@ class Client:
                 for w in reply.workers
             ),
             jobs=tuple(
-                JobStatus(j.job_id, j.name, j.state, tuple(j.workers), j.steps, j.schedule, j.stages, j.error)
+                JobStatus(
+                    j.job_id,
+                    j.name,
+                    j.state,
+                    tuple(j.workers),
+                    j.steps,
+                    j.schedule,
+                    j.stages,
+                    j.error,
+                    j.steps_per_s,
+                    j.exclusive,
+                )
                 for j in reply.jobs
+            ),
+            queue=tuple(
+                QueuedRequest(q.name, q.ranks, q.device, tuple(q.islands), q.exclusive, q.waited_s) for q in reply.queue
             ),
         )
 

@@ -101,12 +101,27 @@ class JobStatus:
     schedule: str
     stages: int
     error: str
+    steps_per_s: float
+    exclusive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A job waiting in the admission queue for its workers."""
+
+    name: str
+    ranks: int
+    device: str
+    islands: tuple[str, ...]
+    exclusive: bool
+    waited_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterStatus:
     workers: tuple[WorkerStatus, ...]
     jobs: tuple[JobStatus, ...]
+    queue: tuple[QueuedRequest, ...] = ()
 
     def render(self) -> str:
         lines = [f"workers ({sum(w.alive for w in self.workers)} alive):"]
@@ -120,6 +135,16 @@ class ClusterStatus:
         for j in self.jobs:
             lines.append(
                 f"  {j.job_id:6} {j.state:7} {j.name} schedule={j.schedule} stages={j.stages} "
-                f"steps={j.steps} workers={','.join(j.workers)}" + (f"  error: {j.error}" if j.error else "")
+                f"steps={j.steps} ({j.steps_per_s:.1f}/s) workers={','.join(j.workers)}"
+                + (" exclusive" if j.exclusive else "")
+                + (f"  error: {j.error}" if j.error else "")
+            )
+        lines.append(f"admission queue ({len(self.queue)}):")
+        for i, q in enumerate(self.queue):
+            where = f" islands={','.join(x or '*' for x in q.islands)}" if any(q.islands) else ""
+            lines.append(
+                f"  {i + 1}. {q.name} needs {q.ranks} {q.device} workers{where}"
+                + (" exclusive" if q.exclusive else "")
+                + f", waiting {q.waited_s:.1f}s"
             )
         return "\n".join(lines)

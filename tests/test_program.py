@@ -1,6 +1,9 @@
 """MPMD programs on islands: different modules on different groups of workers, fan-out and fan-in,
 against the single-process run of the same program (tests.reference.RTOL = 1e-5 relative)."""
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,9 +78,48 @@ def test_two_towers_on_three_islands_match_single_process(islands_cluster):
 def test_island_requests_that_cannot_be_met_are_refused_whole(islands_cluster):
     prog, _ = _two_towers(head_island="z")
     with islands_cluster.client() as client:
-        with pytest.raises(atoll.NotEnoughWorkers, match=r"1 on a, 1 on b, 1 on z\) but the live ones are: 1 on a, 1 on b, 2 on c"):
+        with pytest.raises(
+            atoll.NotEnoughWorkers, match=r"1 on a, 1 on b, 1 on z\) but the live ones are: 1 on a, 1 on b, 2 on c"
+        ):
             client.compile(prog, microbatches=4)
         with pytest.raises(atoll.InvalidInput, match="a program decides stages itself"):
             client.compile(prog, microbatches=4, stages=2)
         busy = {len(w.jobs) for w in client.status().workers}
     assert busy == {0}  # nothing was half-allocated
+
+
+def test_admission_queue_grants_in_order_when_workers_are_released(islands_cluster):
+    """An exclusive job holds 3 of the 4 workers; a second exclusive request for 3 waits in the
+    queue (visible in status) and is granted when the first job closes. A request larger than
+    the cluster fails after its deadline, naming what it asked for."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    x = torch.randn(4, 4)
+    args = dict(example_input=x, example_target=x, loss_fn=F.mse_loss, stages=3, microbatches=2, exclusive=True)
+    with islands_cluster.client() as client, islands_cluster.client() as other:
+        first = client.pipeline(model, name="first", **args)
+        granted = []
+        waiter = threading.Thread(
+            target=lambda: granted.append(other.pipeline(model, name="second", admission_timeout_s=120, **args))
+        )
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not client.status().queue and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status = client.status()
+        assert [(q.name, q.ranks, q.exclusive) for q in status.queue] == [("second", 3, True)]
+        assert "admission queue (1):\n  1. second needs 3 cpu workers exclusive" in status.render()
+        assert not granted
+        first.close()
+        waiter.join(timeout=120)
+        assert not waiter.is_alive() and len(granted) == 1
+        second = granted[0]
+        assert second.step(x, x) > 0
+        assert not client.status().queue
+        with pytest.raises(
+            atoll.NotEnoughWorkers, match=r"needs 3 idle workers .* \(waited 0.5s in the admission queue"
+        ):
+            client.pipeline(model, name="third", admission_timeout_s=0.5, **args)  # only 1 idle worker left
+        second.close()
+        with pytest.raises(atoll.NotEnoughWorkers, match=r"needs 5 workers .* \(waited 0.5s in the admission queue\)"):
+            client.pipeline(nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)]), name="too big",
+                            admission_timeout_s=0.5, **{**args, "stages": 5})  # fmt: skip

@@ -43,6 +43,10 @@ class JobConfig:
     """A label shown by status."""
     islands: tuple[str, ...] = ()
     """Per rank, the island its worker must be on ("" or absent: any island)."""
+    exclusive: bool = False
+    """Run on workers no other job uses, and keep them to itself (else: shared, in gang order)."""
+    admission_timeout_s: float = 0.0
+    """How long a request the cluster cannot meet now waits in the admission queue (0: fail at once)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
