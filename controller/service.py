@@ -68,6 +68,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         self._job_ids = itertools.count()
         self._lock = threading.Lock()
         self.admission = AdmissionQueue(self._lock)
+        self._compile_lock = threading.Lock()
 
     # ------------------------------------------------------------------ workers
 
@@ -204,7 +205,8 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def SubmitPipeline(self, request, context):
-        compiled = compile_pipeline(decode_program(request))
+        with self._compile_lock:  # torch.export's (de)serializers keep global state: one compile at a time
+            compiled = compile_pipeline(decode_program(request))
         cfg = compiled.request.config
         ticket = Ticket(cfg.name, compiled.topology.ranks, cfg.device, cfg.islands, cfg.exclusive)
         with self._lock:  # placement and bookkeeping are one decision

@@ -1,0 +1,46 @@
+"""One tenant of tests/test_multi_tenant.py, as its own client process:
+
+    python -m tests.tenant ADDRESS TOKEN_FILE SEED STEPS GO_FILE OUT_FILE
+
+Submits a 4-stage job, prints "ready", waits for GO_FILE, trains, and saves its losses, the
+monotonic time each step ended and the final weights to OUT_FILE."""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import atoll
+from tests import models
+
+SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+def main() -> None:
+    address, token_file, seed, steps, go, out = sys.argv[1:]
+    seed, steps = int(seed), int(steps)
+    with atoll.connect(address, token_file=token_file) as client:
+        model, batches, loss_fn = models.mlp(seed)
+        x, y = batches[0]
+        job = client.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=4, microbatches=2,
+            schedule="1f1b", optimizer_args=SGD, name=f"tenant{seed}",
+        )  # fmt: skip
+        print("ready", flush=True)
+        deadline = time.monotonic() + 120
+        while not Path(go).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("never told to start")
+            time.sleep(0.01)
+        futures = [job.step_async(*batches[i % len(batches)]) for i in range(steps)]
+        losses, ended = [], []
+        for f in futures:
+            losses.append(f.result())
+            ended.append(time.monotonic())  # CLOCK_MONOTONIC: comparable across processes on one host
+        torch.save({"losses": losses, "ended": ended, "state": job.state_dict()}, out)
+        job.close()
+
+
+if __name__ == "__main__":
+    main()

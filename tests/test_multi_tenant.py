@@ -1,0 +1,61 @@
+"""Three client processes train their own jobs on the same four workers at once: every job
+trains as it would alone, and they progress at the same rate."""
+
+import subprocess
+import sys
+
+import torch
+
+import atoll
+from atoll.local import stop_processes
+from tests import models
+from tests.reference import assert_matches_reference, train_reference
+from tests.tenant import SGD
+
+STEPS = 50
+
+
+def test_three_clients_share_four_workers_fairly(tmp_path):
+    go = tmp_path / "go"
+    with atoll.LocalCluster(workers=4) as cluster:
+        token_file = tmp_path / "token"
+        token_file.write_text(cluster.token)
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.tenant",
+                    cluster.address,
+                    str(token_file),
+                    str(seed),
+                    str(STEPS),
+                    str(go),
+                    str(tmp_path / f"tenant{seed}.pt"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for seed in range(3)
+        ]
+        try:
+            for p in procs:  # all three jobs are loaded before any trains
+                line = p.stdout.readline()
+                assert line.strip() == "ready", line + p.stdout.read()
+            go.touch()
+            for p in procs:
+                output, _ = p.communicate(timeout=240)
+                assert p.returncode == 0, output
+        finally:
+            stop_processes(procs)
+    results = {seed: torch.load(tmp_path / f"tenant{seed}.pt") for seed in range(3)}
+    for seed, got in results.items():
+        model, batches, loss_fn = models.mlp(seed)
+        steps = [batches[i % len(batches)] for i in range(STEPS)]
+        ref_losses, ref_state = train_reference(model, steps, loss_fn, 2, "sgd", SGD)
+        assert_matches_reference(got["losses"], got["state"], ref_losses, ref_state)
+    # each job's share of the steps done while all three ran, counted when the first finished
+    first_done = min(r["ended"][-1] for r in results.values())
+    done = [sum(t <= first_done for t in r["ended"]) for r in results.values()]
+    assert min(done) >= 0.8 * max(done), f"steps done when the first job finished: {done}"
