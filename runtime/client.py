@@ -76,6 +76,8 @@ class Job:
         self.last: StepResult | None = None
         """The latest training step whose result has been read."""
         self._next_seq = next_step
+        self.max_in_flight = self.MAX_IN_FLIGHT
+        """Steps sent and not yet finished; one more ``step_async`` waits for the oldest."""
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
 
@@ -108,15 +110,15 @@ class Job:
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
 
-    # Steps in flight per job: enough to hide the control plane's latency; bounded so waiting
-    # steps never tie up every request thread of the controller.
+    # Default steps in flight per job: enough to hide the control plane's latency; bounded so
+    # waiting steps never tie up every request thread of the controller.
     MAX_IN_FLIGHT = 4
 
     def _wait_for_window(self) -> None:
         while True:
             with self._lock:
                 self._pending = [f for f in self._pending if not f.done()]
-                oldest = self._pending[0] if len(self._pending) >= self.MAX_IN_FLIGHT else None
+                oldest = self._pending[0] if len(self._pending) >= self.max_in_flight else None
             if oldest is None:
                 return
             try:

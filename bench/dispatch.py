@@ -1,0 +1,154 @@
+"""Benchmark: what dispatch costs, measured in one run. Prints one JSON object.
+
+    python bench/dispatch.py [--iters 200] [--steps 200]
+
+(a) round trip: the median time of one tiny forward-only step (``job.forward``) through a 4-stage
+    chain on a local cluster, next to a raw torch.distributed gloo chain with the same topology
+    (a driver process sends to rank 0, each rank passes the tensor on, the last sends it back to
+    the driver: 4 processes plus a driver), and their ratio;
+(b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``);
+(c) the controller's CPU time per tiny training step as the chain grows over 1, 2, 4 and 8 real
+    workers (user + system time of the controller process, from /proc).
+
+Nothing here asserts on time. Not measured (yet): parallel against sequential dispatch, and
+simulated clusters of 64 to 1,024 workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import atoll  # noqa: E402
+
+WIDTH = 8
+
+
+def tiny(stages: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(stages)]), torch.randn(2, WIDTH)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank: int, world: int, port: int, iters: int, results) -> None:
+    """Ranks 0..world-2 pass the tensor on; rank world-1 is the driver and times round trips."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    driver, last = world - 1, world - 2
+    t = torch.randn(2, WIDTH)
+    times = []
+    for _ in range(iters):
+        if rank == driver:
+            start = time.perf_counter()
+            dist.send(t, 0)
+            dist.recv(t, last)
+            times.append(time.perf_counter() - start)
+        else:
+            dist.recv(t, driver if rank == 0 else rank - 1)
+            t += 1.0  # a token of compute, as a stage does
+            dist.send(t, driver if rank == last else rank + 1)
+    if rank == driver:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def raw_gloo_round_trip(stages: int, iters: int) -> float:
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, stages + 1, port, iters, results)) for r in range(stages + 1)]
+    for p in procs:
+        p.start()
+    times = results.get()
+    for p in procs:
+        p.join(timeout=60)
+    return statistics.median(times[iters // 10 :])  # the first ones connect and warm up
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=200, help="round trips measured for (a)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps measured for (b) and (c)")
+    args = parser.parse_args()
+    report = {
+        "benchmark": "dispatch",
+        "device": "cpu",
+        "model": f"{WIDTH}x{WIDTH} linear per stage, batch 2, 1 microbatch",
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    gloo_s = raw_gloo_round_trip(4, args.iters)
+    with atoll.LocalCluster(workers=8, threads_per_worker=1) as cluster, cluster.client() as client:
+        model, x = tiny(4)
+        job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            job.forward(x)
+            times.append(time.perf_counter() - start)
+        atoll_s = statistics.median(times[args.iters // 10 :])
+        report["round_trip_4_stage_ms"] = {
+            "atoll_forward": round(atoll_s * 1e3, 3),
+            "raw_gloo_chain": round(gloo_s * 1e3, 3),
+            "ratio_atoll_over_raw": round(atoll_s / gloo_s, 2),
+        }
+        rates = {}
+        for in_flight in (1, 16):
+            job.max_in_flight = in_flight
+            for _ in range(10):
+                job.step(x, x)
+            start = time.perf_counter()
+            futures = [job.step_async(x, x) for _ in range(args.steps)]
+            for f in futures:
+                f.result()
+            rates[str(in_flight)] = round(args.steps / (time.perf_counter() - start), 1)
+        report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
+        job.close()
+        controller = cluster.controller.pid
+        cpu = {}
+        for stages in (1, 2, 4, 8):
+            model, x = tiny(stages)
+            job = client.pipeline(
+                model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=stages, microbatches=1
+            )
+            job.max_in_flight = 16
+            for _ in range(10):
+                job.step(x, x)
+            before = _cpu_seconds(controller)
+            futures = [job.step_async(x, x) for _ in range(args.steps)]
+            for f in futures:
+                f.result()
+            cpu[str(stages)] = round((_cpu_seconds(controller) - before) / args.steps * 1e3, 3)
+            job.close()
+        report["controller_cpu_ms_per_step_by_workers"] = cpu
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
