@@ -25,6 +25,8 @@ class WorkerRecord:
     endpoint: Endpoint
     island: str = ""
     """Workers with a fast interconnect (by default, one host's)."""
+    value_address: str = ""
+    """host:port of the worker's remote-value server (data plane)."""
     last_heartbeat: float = field(default_factory=time.monotonic)
     alive: bool = True
     death: str = ""
@@ -71,6 +73,7 @@ class Registry:
                 pid=req.pid,
                 gpu_uuid=req.gpu_uuid,
                 island=req.island or req.host,
+                value_address=req.value_address,
                 endpoint=Endpoint(req.address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s),
             )
             self._workers[record.worker_id] = record

@@ -7,6 +7,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 
 import grpc
 
@@ -247,7 +248,15 @@ class ControllerService(pb_grpc.ControllerServicer):
         return pb.SubmitReply(job_id=job_id, plan_json=json.dumps(report))
 
     @staticmethod
-    def _check_batch(spec: EdgeSpec, tensors) -> None:
+    def _check_batch(spec: EdgeSpec, tensors, refs=()) -> None:
+        if refs and tensors:
+            raise InvalidInput(f"edge '{spec.name}': give tensors or remote values, not both")
+        got = [spec_from_pb(pb.EdgeSpec(tensors=[r.spec])).tensors[0] for r in refs] if refs else None
+        if got is not None:
+            if tuple(got) != spec.tensors:
+                shown = ", ".join(map(str, got))
+                raise InvalidInput(f"edge '{spec.name}': expected {spec}, the remote values are {shown}")
+            return
         got = [spec_of_pb_tensor(t) for t in tensors]
         if tuple(got) != spec.tensors:
             shown = ", ".join(map(str, got)) or "nothing"
@@ -269,12 +278,16 @@ class ControllerService(pb_grpc.ControllerServicer):
                 mode = request.mode or "train"
                 if mode not in STEP_MODES:
                     raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
-                self._check_batch(job.compiled.request.input, request.inputs)
+                input_refs = self._resolve_refs(request.input_refs)
+                target_refs = self._resolve_refs(request.target_refs)
+                self._check_batch(job.compiled.request.input, request.inputs, input_refs)
                 if mode == "forward":
-                    if request.targets:
+                    if request.targets or target_refs:
                         raise InvalidInput("a forward step takes no target")
                 else:
-                    self._check_batch(job.compiled.request.target, request.targets)
+                    self._check_batch(job.compiled.request.target, request.targets, target_refs)
+                if request.keep_outputs and mode != "forward":
+                    raise InvalidInput("only a forward step keeps its output on the workers")
                 calls = [
                     Call(
                         w,
@@ -284,6 +297,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                             step=seq - 1,
                             inputs=request.inputs if r in readers else [],
                             targets=request.targets if r == last else [],
+                            input_refs=input_refs if r in readers else [],
+                            target_refs=target_refs if r == last else [],
+                            keep_outputs=request.keep_outputs and r == last,
                             mode=mode,
                         ),
                     )
@@ -312,6 +328,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             step=seq,
             memory_json=json.dumps(memory),
             outputs=replies[last].outputs,
+            kept_outputs=[self._holder_ref(job.workers[last], k) for k in replies[last].kept_outputs],
         )
 
     PROBE_TIMEOUT_S = 2.0
@@ -338,6 +355,46 @@ class ControllerService(pb_grpc.ControllerServicer):
         return f"{named} unreachable (did the worker die?); a peer reported: {error}"
 
     STEP_ORDER_TIMEOUT_S = 30.0
+
+    # ------------------------------------------------------------------ remote values
+
+    @staticmethod
+    def _holder_ref(worker: WorkerRecord, ref: pb.RemoteRef) -> pb.RemoteRef:
+        return pb.RemoteRef(
+            value_id=ref.value_id, worker_id=worker.worker_id, address=worker.value_address, spec=ref.spec
+        )
+
+    def _holder(self, ref: pb.RemoteRef) -> WorkerRecord:
+        worker = self.registry.get(ref.worker_id)
+        if worker is None or not worker.alive:
+            raise NotFound(f"remote value {ref.value_id}: its worker {ref.worker_id!r} is gone, and the value with it")
+        return worker
+
+    def _resolve_refs(self, refs) -> list[pb.RemoteRef]:
+        """The references with their holders' current value-server addresses (checked alive)."""
+        return [self._holder_ref(self._holder(r), r) for r in refs]
+
+    @rpc_handler
+    def PutValue(self, request, context):
+        """Place a tensor on a worker (of ``island``, least loaded) and keep it there."""
+        with self._lock:
+            workers = [w for w in self.registry.live() if not request.island or w.island == request.island]
+            if not workers:
+                raise NotEnoughWorkers(f"no live worker on island {request.island!r} to hold a value")
+            worker = min(workers, key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
+        value_id = uuid.uuid4().hex
+        worker.endpoint.call("PutValue", pb.PutValueRequest(tensor=request.tensor, value_id=value_id))
+        spec = pb.TensorSpec(dtype=request.tensor.dtype, shape=request.tensor.shape)
+        return self._holder_ref(worker, pb.RemoteRef(value_id=value_id, spec=spec))
+
+    @rpc_handler
+    def GetValue(self, request, context):
+        return self._holder(request).endpoint.call("GetValue", request)
+
+    @rpc_handler
+    def FreeValue(self, request, context):
+        self._holder(request).endpoint.call("FreeValue", request)
+        return pb.Empty()
 
     def _await_turn(self, job: Job, seq: int) -> None:
         """Wait (holding ``job.order``) until step ``seq`` is the next to go out. A step number

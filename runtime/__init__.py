@@ -21,6 +21,7 @@ from atoll.errors import (
 from atoll.local import LocalCluster
 from atoll.plan import ClusterStatus, Plan
 from atoll.program import Program, Value
+from atoll.remote import RemoteValue
 
 __all__ = [
     "AtollError",
@@ -35,6 +36,7 @@ __all__ = [
     "NotFound",
     "Plan",
     "Program",
+    "RemoteValue",
     "StepFuture",
     "StepResult",
     "Unauthenticated",

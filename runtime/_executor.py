@@ -78,6 +78,9 @@ class _StepState:
     """Read once at the end of the step: reading each at once would make the host wait for the GPU."""
     activation_bytes: int = 0
     meter: PeakMeter = field(default_factory=PeakMeter)
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    """Tensor bytes this rank moved over its transports in the step (local hand-offs excluded)."""
     waiting_s: float = 0.0
     """Time spent blocked on the data plane: the measured bubble plus transfer time."""
 
@@ -234,6 +237,7 @@ class PipelineExecutor:
                 "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
                 "wall_s": wall,
                 "waiting_s": state.waiting_s,
+                "data_plane_bytes": {"sent": state.sent_bytes, "received": state.received_bytes},
             }
             if cuda:  # the allocator's view, next to the executor's own accounting
                 measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -287,6 +291,7 @@ class PipelineExecutor:
             [buf for buf, _, _ in handles],
             [self.transport.recv(buf, peer, tag) for buf, peer, tag in handles],
         )
+        state.received_bytes += sum(buf.nbytes for buf, _, _ in handles)
 
     def _take_recv(self, action: Action, state: _StepState) -> list[torch.Tensor]:
         try:
@@ -306,6 +311,7 @@ class PipelineExecutor:
                 tag = edge_tag(edge_id, m, self.microbatches, FORWARD_DIRECTION, i)
                 out = stash.outputs[src_index].detach().contiguous()
                 state.sends.append(self.transport.send(out, self.stage_ranks[e.dst], tag))
+                state.sent_bytes += out.nbytes
 
     def _send_backward(self, action: Action, state: _StepState) -> None:
         s, m = action.stage, action.microbatch
@@ -315,6 +321,7 @@ class PipelineExecutor:
                 tag = edge_tag(edge_id, m, self.microbatches, BACKWARD_DIRECTION, i)
                 grad = grads[e.dst_indices[i]].contiguous()
                 state.sends.append(self.transport.send(grad, self.stage_ranks[e.src], tag))
+                state.sent_bytes += grad.nbytes
 
     def _read_input_grads(self, s: int, m: int, reader, state: _StepState) -> dict[int, torch.Tensor]:
         held = state.input_grads.get((s, m))
@@ -463,6 +470,8 @@ class PipelineExecutor:
                     handles.append(
                         self.transport.send(mine.contiguous(), r, tied_tag(num_edges, self.microbatches, g, self.rank))
                     )
+                    state.received_bytes += buf.nbytes
+                    state.sent_bytes += mine.nbytes
                     parts[r] = buf
             self._wait(handles, state)
             total = parts[ranks[0]].clone()

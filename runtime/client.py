@@ -19,6 +19,7 @@ from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
 from atoll.errors import InvalidInput
 from atoll.plan import ClusterStatus, JobStatus, Plan, QueuedRequest, WorkerStatus
 from atoll.program import Program
+from atoll.remote import RemoteValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,8 @@ class StepResult:
     """"train", "evaluate" or "forward" (see Job.evaluate, Job.forward)."""
     outputs: tuple[torch.Tensor, ...] = ()
     """Forward steps: the last stage's output for the full batch (flattened leaves)."""
+    remote_outputs: tuple[RemoteValue, ...] = ()
+    """Forward steps that keep their output: where it stays."""
 
 
 class StepFuture:
@@ -54,8 +57,9 @@ class StepFuture:
             reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
             memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
             outputs = tuple(tensor_from_pb(t, "output") for t in reply.outputs)
+            kept = tuple(RemoteValue(self._job._client, ref) for ref in reply.kept_outputs)
             self._result = StepResult(
-                reply.loss, tuple(reply.microbatch_losses), reply.step, memory, self._mode, outputs
+                reply.loss, tuple(reply.microbatch_losses), reply.step, memory, self._mode, outputs, kept
             )
             last = self._job.last
             if self._mode == "train" and (last is None or self._result.step > last.step):
@@ -92,18 +96,29 @@ class Job:
         far: the plan's forward actions alone, no backward, no update."""
         return self._send("evaluate", input, target).result()
 
-    def forward(self, input):
+    def forward(self, input, keep: bool = False):
         """The model's output for a full batch (the last stage's output, microbatches concatenated
-        along dim 0): a tensor, or a tuple of them for a model with several outputs."""
-        outputs = self._send("forward", input, None).details().outputs
+        along dim 0): a tensor, or a tuple of them for a model with several outputs. With
+        ``keep``, the output stays on the worker that made it: ``RemoteValue``s instead."""
+        result = self._send("forward", input, None, keep).details()
+        outputs = result.remote_outputs if keep else result.outputs
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _send(self, mode: str, input, target) -> StepFuture:
-        inputs = [tensor_to_pb(t) for t in as_leaves(input, "input")]
-        targets = [] if target is None else [tensor_to_pb(t) for t in as_leaves(target, "target")]
+    def _send(self, mode: str, input, target, keep: bool = False) -> StepFuture:
+        inputs, input_refs = _batch(input, "input")
+        targets, target_refs = ([], []) if target is None else _batch(target, "target")
         self._wait_for_window()
         with self._lock:
-            request = pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=self._next_seq, mode=mode)
+            request = pb.StepRequest(
+                job_id=self.id,
+                inputs=inputs,
+                targets=targets,
+                input_refs=input_refs,
+                target_refs=target_refs,
+                keep_outputs=keep,
+                seq=self._next_seq,
+                mode=mode,
+            )
             self._next_seq += 1
             future = self._client._endpoint.future("Step", request, self._client.step_timeout_s)
             step = StepFuture(self, future, mode)
@@ -233,6 +248,12 @@ class Client:
         reply = self._call("SubmitPipeline", program, timeout_s=600.0)
         return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
+    def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
+        """Place ``tensor`` on a worker (of ``island``, least loaded) once; pass the handle to steps
+        in place of the tensor, as many times as needed."""
+        reply = self._call("PutValue", pb.PutValueRequest(tensor=tensor_to_pb(tensor), island=island))
+        return RemoteValue(self, reply)
+
     def compile(self, program: Program, **settings) -> Job:
         """Compile an MPMD ``Program`` and load it: one stage per program stage, each on a worker
         of its island. ``settings`` are those of ``pipeline`` (microbatches, schedule, optimizer,
@@ -310,3 +331,16 @@ def connect(
 ) -> Client:
     """A client of the controller at ``address``; the token defaults to $ATOLL_TOKEN or the token file."""
     return Client(address, resolve_token(token, token_file), timeout_s=timeout_s)
+
+
+def _batch(value, what: str) -> tuple[list[pb.TensorData], list[pb.RemoteRef]]:
+    """A step's input or target as tensors to send, or as references to remote values."""
+    leaves = list(value) if isinstance(value, (tuple, list)) else [value]
+    if leaves and all(isinstance(v, RemoteValue) for v in leaves):
+        for v in leaves:
+            if v.freed:
+                raise InvalidInput(f"{what}: {v} was freed")
+        return [], [v.ref for v in leaves]
+    if any(isinstance(v, RemoteValue) for v in leaves):
+        raise InvalidInput(f"{what}: give all tensors or all remote values")
+    return [tensor_to_pb(t) for t in as_leaves(value, what)], []

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 import torch
 
@@ -23,6 +24,7 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
 from atoll._turnstile import Turnstile
+from atoll._values import ValueStore, pull
 from atoll.core.actions import Action
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
@@ -55,10 +57,12 @@ def _check_plan(routes: Routes, request: pb.LoadPlanRequest) -> None:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, *, device: str, host: str, controller_host: str):
+    def __init__(self, *, device: str, host: str, controller_host: str, token: str):
         self.device = torch.device(device)
         self.host = host
         self.controller_host = controller_host
+        self._token = token
+        self.values = ValueStore(host, token)
         self._jobs: dict[str, PipelineExecutor] = {}
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
@@ -189,16 +193,56 @@ class WorkerService(pb_grpc.WorkerServicer):
     def RunStep(self, request: pb.RunStepRequest, context):
         inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
         targets = [tensor_from_pb(t, "target") for t in request.targets] or None
+        control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
         with self.turnstile.turn(request.gang_seq):
             executor = self._job(request.job_id)
             self._use_device()
             try:
+                pulled = 0
+                if request.input_refs:
+                    inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
+                    pulled += sum(t.nbytes for t in inputs)
+                if request.target_refs:
+                    targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
+                    pulled += sum(t.nbytes for t in targets)
                 losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train")
             except Exception as e:
                 raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
+        memory["data_plane_bytes"]["received"] += pulled
+        memory["control_plane_tensor_bytes"] = control_bytes
+        kept = []
+        if request.keep_outputs:  # the output stays here; the reply carries references
+            for t in outputs:
+                value_id = uuid.uuid4().hex
+                spec = self.values.put(value_id, t)
+                kept.append(pb.RemoteRef(value_id=value_id, spec=pb.TensorSpec(dtype=spec.dtype, shape=spec.shape)))
+            outputs = []
         return pb.RunStepReply(
-            microbatch_losses=losses, memory_json=json.dumps(memory), outputs=[tensor_to_pb(t) for t in outputs]
+            microbatch_losses=losses,
+            memory_json=json.dumps(memory),
+            outputs=[tensor_to_pb(t) for t in outputs],
+            kept_outputs=kept,
         )
+
+    def _pull(self, ref: pb.RemoteRef, timeout_s: float) -> torch.Tensor:
+        """A remote value, from this worker's store or straight from its holder (never via the controller)."""
+        if ref.address == self.values.address:
+            return self.values.get(ref.value_id)
+        return pull(ref.address, self._token, ref.value_id, timeout_s)
+
+    @rpc_handler
+    def PutValue(self, request: pb.PutValueRequest, context):
+        self.values.put(request.value_id, tensor_from_pb(request.tensor, "value"))
+        return pb.Empty()
+
+    @rpc_handler
+    def GetValue(self, request: pb.RemoteRef, context):
+        return tensor_to_pb(self.values.get(request.value_id))
+
+    @rpc_handler
+    def FreeValue(self, request: pb.RemoteRef, context):
+        self.values.free(request.value_id)
+        return pb.Empty()
 
     @rpc_handler
     def GetState(self, request: pb.GetStateRequest, context):
@@ -239,7 +283,9 @@ class WorkerDaemon:
         forbid_pickle(allow_pickle)
         self.controller_address = controller
         controller_host = controller.rsplit(":", 1)[0]
-        self.service = WorkerService(device=device, host=advertise_host or host, controller_host=controller_host)
+        self.service = WorkerService(
+            device=device, host=advertise_host or host, controller_host=controller_host, token=token
+        )
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
         self.address = f"{advertise_host or host}:{self.port}"
@@ -263,6 +309,7 @@ class WorkerDaemon:
                 pid=os.getpid(),
                 gpu_uuid=gpu_uuid,
                 island=self.island,
+                value_address=self.service.values.address,
             ),
         )
         if self.worker_id:  # registering again: the controller restarted or declared us dead
@@ -303,4 +350,5 @@ class WorkerDaemon:
     def stop(self) -> None:
         self._stop.set()
         self.server.stop(grace=1.0).wait(5.0)
+        self.service.values.close()
         self._controller.close()

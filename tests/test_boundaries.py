@@ -6,9 +6,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # the user's side: public API, client, export, plan and status views, the local cluster launcher
-CLIENT = {"atoll", "atoll.client", "atoll._export", "atoll.plan", "atoll.program", "atoll.local"}
+CLIENT = {"atoll", "atoll.client", "atoll._export", "atoll.plan", "atoll.program", "atoll.remote", "atoll.local"}
 # the worker's side: daemon, executor, data plane
-WORKER = {"atoll.worker", "atoll._executor", "atoll._transport", "atoll._cuda_ipc", "atoll._nccl", "atoll._turnstile"}
+WORKER = {
+    "atoll.worker",
+    "atoll._executor",
+    "atoll._transport",
+    "atoll._cuda_ipc",
+    "atoll._nccl",
+    "atoll._turnstile",
+    "atoll._values",
+}
 # composes both sides, by design
 CLI = {"atoll.cli", "atoll._plan_cli"}
 

@@ -74,6 +74,21 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.PutValue = channel.unary_unary(
+                '/atoll.v1.Controller/PutValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
+                _registered_method=True)
+        self.GetValue = channel.unary_unary(
+                '/atoll.v1.Controller/GetValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.TensorData.FromString,
+                _registered_method=True)
+        self.FreeValue = channel.unary_unary(
+                '/atoll.v1.Controller/FreeValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -127,6 +142,24 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +202,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.SerializeToString,
+            ),
+            'PutValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+            ),
+            'GetValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.TensorData.SerializeToString,
+            ),
+            'FreeValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +445,87 @@ class Controller:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def PutValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/PutValue',
+            atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/GetValue',
+            atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.TensorData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/FreeValue',
+            atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -430,6 +559,21 @@ class WorkerStub:
         self.Ping = channel.unary_unary(
                 '/atoll.v1.Worker/Ping',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
+        self.PutValue = channel.unary_unary(
+                '/atoll.v1.Worker/PutValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetValue = channel.unary_unary(
+                '/atoll.v1.Worker/GetValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.TensorData.FromString,
+                _registered_method=True)
+        self.FreeValue = channel.unary_unary(
+                '/atoll.v1.Worker/FreeValue',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
 
@@ -467,6 +611,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeValue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -493,6 +655,21 @@ def add_WorkerServicer_to_server(servicer, server):
             'Ping': grpc.unary_unary_rpc_method_handler(
                     servicer.Ping,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            ),
+            'PutValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            ),
+            'GetValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.TensorData.SerializeToString,
+            ),
+            'FreeValue': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeValue,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
     }
@@ -630,6 +807,87 @@ class Worker:
             target,
             '/atoll.v1.Worker/Ping',
             atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/PutValue',
+            atoll_dot___rpc_dot_atoll__pb2.PutValueRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/GetValue',
+            atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.TensorData.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeValue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/FreeValue',
+            atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
