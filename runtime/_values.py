@@ -48,13 +48,13 @@ def _read_line(conn: socket.socket, limit: int = 4096) -> bytes:
 class ValueStore:
     """This worker's remote values, and the server its peers pull them from."""
 
-    def __init__(self, host: str, token: str):
+    def __init__(self, host: str, token: str, advertise_host: str | None = None):
         self._token = token
         self._values: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.bytes_served = 0
         self._server = socket.create_server((host, 0))
-        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self.address = f"{advertise_host or host}:{self._server.getsockname()[1]}"
         self._closed = False
         threading.Thread(target=self._serve, name="values", daemon=True).start()
 

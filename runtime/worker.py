@@ -57,12 +57,13 @@ def _check_plan(routes: Routes, request: pb.LoadPlanRequest) -> None:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, *, device: str, host: str, controller_host: str, token: str):
+    def __init__(self, *, device: str, host: str, controller_host: str, token: str, bind_host: str | None = None):
         self.device = torch.device(device)
         self.host = host
+        """The address peers reach this worker at (data plane)."""
         self.controller_host = controller_host
         self._token = token
-        self.values = ValueStore(host, token)
+        self.values = ValueStore(bind_host or host, token, advertise_host=host)
         self._jobs: dict[str, PipelineExecutor] = {}
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
@@ -284,7 +285,7 @@ class WorkerDaemon:
         self.controller_address = controller
         controller_host = controller.rsplit(":", 1)[0]
         self.service = WorkerService(
-            device=device, host=advertise_host or host, controller_host=controller_host, token=token
+            device=device, host=advertise_host or host, controller_host=controller_host, token=token, bind_host=host
         )
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
