@@ -171,6 +171,8 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         ranks=cfg.stages, virtual_stages=cfg.virtual_stages, microbatches=cfg.microbatches, schedule=cfg.schedule
     )
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
+    if not cfg.weight > 0:
+        raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:
         raise InvalidInput(f"data_plane_timeout_s must be positive, got {cfg.data_plane_timeout_s}")
     if not req.model:

@@ -39,6 +39,10 @@ class Job:
     def exclusive(self) -> bool:
         return self.compiled.request.config.exclusive
 
+    @property
+    def weight(self) -> float:
+        return self.compiled.request.config.weight
+
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""
         if self.state in (JobState.LOADING, JobState.READY):

@@ -17,6 +17,7 @@ from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.admission import AdmissionQueue, Ticket
 from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
+from atoll.controller.fairness import FairGate
 from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
@@ -70,6 +71,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         self._lock = threading.Lock()
         self.admission = AdmissionQueue(self._lock)
         self._compile_lock = threading.Lock()
+        self.gate = FairGate()
 
     # ------------------------------------------------------------------ workers
 
@@ -305,7 +307,13 @@ class ControllerService(pb_grpc.ControllerServicer):
                     )
                     for r, w in enumerate(job.workers)
                 ]
-                futures = self._dispatch_ordered(calls, self.step_timeout_s)
+                # fair between jobs sharing workers (controller/fairness.py), then in gang order
+                self.gate.enter(job.job_id, frozenset(w.worker_id for w in job.workers), job.weight)
+                try:
+                    futures = self._dispatch_ordered(calls, self.step_timeout_s)
+                except BaseException:
+                    self.gate.leave(job.job_id)
+                    raise
             finally:
                 job.next_seq = seq + 1
                 job.order.notify_all()
@@ -317,6 +325,8 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise JobFailed(
                 f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {cause}"
             ) from None
+        finally:
+            self.gate.leave(job.job_id)
         if mode == "train":  # status counts training steps
             with job.order:
                 job.steps += 1
@@ -465,6 +475,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         with self._lock:
             self._jobs.pop(job.job_id, None)
             self._closed.add(job.job_id)
+        self.gate.forget(job.job_id)
         return pb.Empty()
 
     @rpc_handler

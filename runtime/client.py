@@ -196,6 +196,7 @@ class Client:
         islands: list[str] | None = None,
         exclusive: bool = False,
         admission_timeout_s: float = 0.0,
+        weight: float = 1.0,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
 
@@ -217,7 +218,8 @@ class Client:
         on ("" for any). ``exclusive`` asks for workers no other job uses and keeps them (by
         default jobs share workers, ordered by the gang schedule). When the cluster cannot meet
         the request now, it waits up to ``admission_timeout_s`` in the controller's admission
-        queue (arrival order), then fails with ``NotEnoughWorkers``.
+        queue (arrival order), then fails with ``NotEnoughWorkers``. Busy jobs sharing workers
+        get their time in proportion to ``weight``.
         """
         config = JobConfig(
             stages=stages,
@@ -235,6 +237,7 @@ class Client:
             islands=tuple(islands or ()),
             exclusive=exclusive,
             admission_timeout_s=admission_timeout_s,
+            weight=weight,
         )
         exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(

@@ -7,6 +7,7 @@ monotonic time each step ended and the final weights to OUT_FILE."""
 
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -15,6 +16,21 @@ import atoll
 from tests import models
 
 SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+def train_timed(job, batches, in_flight: int = 4) -> tuple[list[float], list[float]]:
+    """Train with up to ``in_flight`` steps outstanding; returns the losses and the monotonic time
+    each step's result arrived (CLOCK_MONOTONIC: comparable across processes on one host)."""
+    pending, losses, ended = deque(), [], []
+    for x, y in batches:
+        if len(pending) == in_flight:
+            losses.append(pending.popleft().result())
+            ended.append(time.monotonic())
+        pending.append(job.step_async(x, y))
+    while pending:
+        losses.append(pending.popleft().result())
+        ended.append(time.monotonic())
+    return losses, ended
 
 
 def main() -> None:
@@ -33,11 +49,7 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise SystemExit("never told to start")
             time.sleep(0.01)
-        futures = [job.step_async(*batches[i % len(batches)]) for i in range(steps)]
-        losses, ended = [], []
-        for f in futures:
-            losses.append(f.result())
-            ended.append(time.monotonic())  # CLOCK_MONOTONIC: comparable across processes on one host
+        losses, ended = train_timed(job, [batches[i % len(batches)] for i in range(steps)])
         torch.save({"losses": losses, "ended": ended, "state": job.state_dict()}, out)
         job.close()
 

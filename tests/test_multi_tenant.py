@@ -3,6 +3,7 @@ trains as it would alone, and they progress at the same rate."""
 
 import subprocess
 import sys
+import threading
 
 import torch
 
@@ -10,7 +11,7 @@ import atoll
 from atoll.local import stop_processes
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
-from tests.tenant import SGD
+from tests.tenant import SGD, train_timed
 
 STEPS = 50
 
@@ -59,3 +60,40 @@ def test_three_clients_share_four_workers_fairly(tmp_path):
     first_done = min(r["ended"][-1] for r in results.values())
     done = [sum(t <= first_done for t in r["ended"]) for r in results.values()]
     assert min(done) >= 0.8 * max(done), f"steps done when the first job finished: {done}"
+
+
+def test_busy_jobs_share_workers_in_proportion_to_their_weights():
+    """Two jobs on the same two workers, weights 2 and 1, both always with steps waiting: while
+    both run, the first gets about twice the steps (weighted fair dispatch, controller/fairness.py)."""
+    with atoll.LocalCluster(workers=2) as cluster, cluster.client() as client:
+        _weighted_run(client)
+
+
+def _weighted_run(client) -> None:
+    jobs, ended = {}, {}
+    for name, weight in (("heavy", 2.0), ("light", 1.0)):
+        model, batches, loss_fn = models.mlp(0)
+        x, y = batches[0]
+        jobs[name] = client.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2, name=name,
+            weight=weight,
+        )  # fmt: skip
+    workers = {n: set(j.plan.report["placement"][r].split()[0] for r in ("0", "1")) for n, j in jobs.items()}
+    assert workers["heavy"] == workers["light"]  # they share both workers
+
+    def run(name: str, steps: int) -> None:
+        ended[name] = train_timed(jobs[name], [(x, y)] * steps)[1]
+
+    threads = [threading.Thread(target=run, args=(n, 60)) for n in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    try:
+        assert all(not t.is_alive() for t in threads)
+        first_done = min(times[-1] for times in ended.values())
+        heavy, light = (sum(t <= first_done for t in ended[n]) for n in ("heavy", "light"))
+        assert 1.6 <= heavy / light <= 2.4, f"steps done when the first job finished: heavy {heavy}, light {light}"
+    finally:
+        for job in jobs.values():
+            job.close()

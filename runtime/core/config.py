@@ -47,6 +47,8 @@ class JobConfig:
     """Run on workers no other job uses, and keep them to itself (else: shared, in gang order)."""
     admission_timeout_s: float = 0.0
     """How long a request the cluster cannot meet now waits in the admission queue (0: fail at once)."""
+    weight: float = 1.0
+    """Share of shared workers' time against other busy jobs (controller/fairness.py)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
