@@ -45,8 +45,6 @@ class SplitStage:
 class SplitModel:
     stages: list[SplitStage]
     dataflow: Dataflow
-    output: EdgeSpec
-    """The model's output (the last stage's flat outputs, the loss's first arguments)."""
     aliases: dict[str, str]
     """Other names of shared tensors (``head.weight``) -> the name the stages use (``emb.weight``).
     The job's state_dict lists both."""
@@ -265,6 +263,8 @@ def split_model(
             if not _is_tensor(node):
                 raise InvalidInput(f"stage {s} would pass '{node.name}' on, which is not a tensor")
             outputs[s].append(node)
+    if not all(isinstance(x, fx.Node) and _is_tensor(x) for x in model_outputs):
+        raise InvalidInput("the model must return a tensor or a tuple of tensors (its output feeds the loss)")
     outputs[last] = model_outputs
 
     stages, edges, used_params = [], [], {}
@@ -304,8 +304,7 @@ def split_model(
         for name, ss in used_params.items()
         if len(ss) > 1
     )
-    output = EdgeSpec("output", tuple(TensorSpec.of(x.meta["val"]) for x in model_outputs))
-    return SplitModel(stages, Dataflow(num_stages, tuple(edges), tied), output, dict(g.aliases))
+    return SplitModel(stages, Dataflow(num_stages, tuple(edges), tied), dict(g.aliases))
 
 
 def _stage_modules(g: _ModelGraph, stage_index: list[int], num_stages: int) -> list[tuple[str, ...]]:
