@@ -7,11 +7,13 @@
     (a driver process sends to rank 0, each rank passes the tensor on, the last sends it back to
     the driver: 4 processes plus a driver), and their ratio;
 (b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``);
-(c) the controller's CPU time per tiny training step as the chain grows over 1, 2, 4 and 8 real
+(c) tiny training steps per second through the 4-stage chain with parallel dispatch (a step goes
+    to all ranks at once) and with ``dispatch="sequential"`` (each rank only once the previous
+    has started the step), 16 steps in flight, and their ratio;
+(d) the controller's CPU time per tiny training step as the chain grows over 1, 2, 4 and 8 real
     workers (user + system time of the controller process, from /proc).
 
-Nothing here asserts on time. Not measured (yet): parallel against sequential dispatch, and
-simulated clusters of 64 to 1,024 workers.
+Nothing here asserts on time. Not measured (yet): simulated clusters of 64 to 1,024 workers.
 """
 
 from __future__ import annotations
@@ -90,6 +92,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
+    job.max_in_flight = in_flight
+    for _ in range(10):
+        job.step(x, x)
+    start = time.perf_counter()
+    futures = [job.step_async(x, x) for _ in range(steps)]
+    for f in futures:
+        f.result()
+    return round(steps / (time.perf_counter() - start), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="round trips measured for (a)")
@@ -118,18 +131,21 @@ def main() -> None:
             "raw_gloo_chain": round(gloo_s * 1e3, 3),
             "ratio_atoll_over_raw": round(atoll_s / gloo_s, 2),
         }
-        rates = {}
-        for in_flight in (1, 16):
-            job.max_in_flight = in_flight
-            for _ in range(10):
-                job.step(x, x)
-            start = time.perf_counter()
-            futures = [job.step_async(x, x) for _ in range(args.steps)]
-            for f in futures:
-                f.result()
-            rates[str(in_flight)] = round(args.steps / (time.perf_counter() - start), 1)
+        rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=n) for n in (1, 16)}
         report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
         job.close()
+        by_dispatch = {}
+        for mode in ("parallel", "sequential"):
+            model, x = tiny(4)
+            job = client.pipeline(
+                model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1, dispatch=mode
+            )
+            by_dispatch[mode] = _steps_per_s(job, x, args.steps, in_flight=16)
+            job.close()
+        report["tiny_train_steps_per_s_by_dispatch"] = {
+            **by_dispatch,
+            "ratio_parallel_over_sequential": round(by_dispatch["parallel"] / by_dispatch["sequential"], 2),
+        }
         controller = cluster.controller.pid
         cpu = {}
         for stages in (1, 2, 4, 8):

@@ -171,6 +171,8 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         ranks=cfg.stages, virtual_stages=cfg.virtual_stages, microbatches=cfg.microbatches, schedule=cfg.schedule
     )
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
+    if cfg.dispatch not in ("parallel", "sequential"):
+        raise InvalidInput(f"dispatch must be 'parallel' or 'sequential', got {cfg.dispatch!r}")
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:

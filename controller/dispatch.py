@@ -36,6 +36,24 @@ class Dispatcher:
         """Send every call now, each from its own thread; returns at once."""
         return [self._pool.submit(c.worker.endpoint.call, c.method, c.request, timeout_s) for c in calls]
 
+    def sequential(self, calls: list[Call], timeout_s: float) -> list[Future]:
+        """Send each call (a step: ``RunStep``) only once the previous one's worker reports that
+        the step has started there; returns at once after the last has started. For measuring
+        what parallel dispatch saves; a rank cannot wait for the next one's start, since it
+        would block on its sends to it."""
+        futures: list[Future] = []
+        for call in calls:
+            stream = call.worker.endpoint.stream(f"{call.method}Stream", call.request, timeout_s)
+            started: Future = Future()
+            try:
+                next(stream)
+            except AtollError as e:
+                started.set_exception(e)
+                futures.append(started)
+                continue  # the later calls still go: their gang positions are taken
+            futures.append(self._pool.submit(lambda s=stream: next(s).reply))
+        return futures
+
     @staticmethod
     def gather(calls: list[Call], futures: list[Future]) -> list:
         """Replies in call order; raises the first failure as soon as it happens."""

@@ -154,12 +154,15 @@ class ControllerService(pb_grpc.ControllerServicer):
             tied=tied,
         )
 
-    def _dispatch_ordered(self, calls: list[Call], timeout_s: float):
-        """Give each call its worker's next gang position and send them all, without waiting."""
+    def _dispatch_ordered(self, calls: list[Call], timeout_s: float, sequential: bool = False):
+        """Give each call its worker's next gang position and send them all, without waiting
+        (or, ``sequential``, each once the previous has started: JobConfig.dispatch)."""
         with self.gang.positions() as take:
             for call in calls:
                 call.request.gang_seq = take(call.worker.worker_id)
-            return self.dispatcher.submit(calls, timeout_s)
+            if not sequential:
+                return self.dispatcher.submit(calls, timeout_s)
+        return self.dispatcher.sequential(calls, timeout_s)
 
     @rpc_handler
     def SubmitPipeline(self, request, context):
@@ -265,7 +268,8 @@ class ControllerService(pb_grpc.ControllerServicer):
                 # fair between jobs sharing workers (controller/fairness.py), then in gang order
                 self.gate.enter(job.job_id, frozenset(w.worker_id for w in job.workers), job.weight)
                 try:
-                    futures = self._dispatch_ordered(calls, self.step_timeout_s)
+                    sequential = job.compiled.request.config.dispatch == "sequential"
+                    futures = self._dispatch_ordered(calls, self.step_timeout_s, sequential)
                 except BaseException:
                     self.gate.leave(job.job_id)
                     raise

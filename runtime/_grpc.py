@@ -52,6 +52,22 @@ def rpc_handler(method):
     return wrapped
 
 
+def rpc_stream_handler(method):
+    """rpc_handler for a servicer method that yields its replies (server streaming)."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except errors.AtollError as e:
+            context.abort(e.code, str(e))
+        except Exception as e:
+            log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapped
+
+
 class Endpoint:
     """A connection to one daemon: every call carries the token and a deadline."""
 
@@ -66,6 +82,15 @@ class Endpoint:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         try:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {self.address}") from None
+
+    def stream(self, method: str, request, timeout_s: float | None = None):
+        """A server-streaming call: an iterator of replies; errors come as atoll errors."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        replies = getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        try:
+            yield from replies
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {self.address}") from None
 

@@ -197,6 +197,7 @@ class Client:
         exclusive: bool = False,
         admission_timeout_s: float = 0.0,
         weight: float = 1.0,
+        dispatch: str = "parallel",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it.
 
@@ -219,7 +220,8 @@ class Client:
         default jobs share workers, ordered by the gang schedule). When the cluster cannot meet
         the request now, it waits up to ``admission_timeout_s`` in the controller's admission
         queue (arrival order), then fails with ``NotEnoughWorkers``. Busy jobs sharing workers
-        get their time in proportion to ``weight``.
+        get their time in proportion to ``weight``. ``dispatch="sequential"`` sends a step to
+        each rank only once the previous rank has started it: there to measure parallel dispatch.
         """
         config = JobConfig(
             stages=stages,
@@ -238,6 +240,7 @@ class Client:
             exclusive=exclusive,
             admission_timeout_s=admission_timeout_s,
             weight=weight,
+            dispatch=dispatch,
         )
         exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
         program = pb.PipelineProgram(

@@ -18,7 +18,7 @@ import torch
 
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
-from atoll._grpc import Endpoint, make_server, rpc_handler
+from atoll._grpc import Endpoint, make_server, rpc_handler, rpc_stream_handler
 from atoll._nccl import NcclTransport
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
@@ -192,23 +192,35 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @rpc_handler
     def RunStep(self, request: pb.RunStepRequest, context):
-        inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
-        targets = [tensor_from_pb(t, "target") for t in request.targets] or None
-        control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
         with self.turnstile.turn(request.gang_seq):
-            executor = self._job(request.job_id)
-            self._use_device()
-            try:
-                pulled = 0
-                if request.input_refs:
-                    inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
-                    pulled += sum(t.nbytes for t in inputs)
-                if request.target_refs:
-                    targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
-                    pulled += sum(t.nbytes for t in targets)
-                losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train")
-            except Exception as e:
-                raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
+            return self._step(request)
+
+    @rpc_stream_handler
+    def RunStepStream(self, request: pb.RunStepRequest, context):
+        """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
+        with self.turnstile.turn(request.gang_seq):
+            yield pb.RunStepEvent(started=True)
+            reply = self._step(request)
+        yield pb.RunStepEvent(reply=reply)
+
+    def _step(self, request: pb.RunStepRequest) -> pb.RunStepReply:
+        """Run one step of a loaded job; call in the request's turn."""
+        control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
+        executor = self._job(request.job_id)
+        self._use_device()
+        try:
+            inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
+            targets = [tensor_from_pb(t, "target") for t in request.targets] or None
+            pulled = 0
+            if request.input_refs:
+                inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
+                pulled += sum(t.nbytes for t in inputs)
+            if request.target_refs:
+                targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
+                pulled += sum(t.nbytes for t in targets)
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train")
+        except Exception as e:
+            raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled
         memory["control_plane_tensor_bytes"] = control_bytes
         kept = []

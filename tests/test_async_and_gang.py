@@ -77,3 +77,20 @@ def test_a_second_client_attaches_to_a_running_job(cluster4, client4):
         assert client4.job(job.id).step(x, y) < first[0]  # attaching again picks up the numbering
     finally:
         job.close()
+
+
+def test_sequential_dispatch_trains_the_same(client4):
+    """dispatch="sequential" (each rank once the previous has started: only for measuring) gives
+    the same losses and weights as the default parallel dispatch."""
+    results = []
+    for mode in ("parallel", "sequential"):
+        job, _, batches, _ = models.submit(client4, stages=4, microbatches=4, schedule="1f1b", dispatch=mode)
+        try:
+            results.append(([job.step(x, y) for x, y in batches], job.state_dict()))
+        finally:
+            job.close()
+    (losses_p, state_p), (losses_s, state_s) = results
+    assert losses_p == losses_s
+    assert all(state_p[k].equal(state_s[k]) for k in state_p)
+    with pytest.raises(atoll.InvalidInput, match="dispatch must be 'parallel' or 'sequential'"):
+        models.submit(client4, stages=2, microbatches=2, dispatch="zigzag")

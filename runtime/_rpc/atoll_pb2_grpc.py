@@ -546,6 +546,11 @@ class WorkerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
                 _registered_method=True)
+        self.RunStepStream = channel.unary_stream(
+                '/atoll.v1.Worker/RunStepStream',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Worker/GetState',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
@@ -589,6 +594,13 @@ class WorkerServicer:
 
     def RunStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunStepStream(self, request, context):
+        """"started" when its turn comes, then the reply
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -641,6 +653,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunStep,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepReply.SerializeToString,
+            ),
+            'RunStepStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunStepStream,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -727,6 +744,33 @@ class Worker:
             '/atoll.v1.Worker/RunStep',
             atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.RunStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunStepStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Worker/RunStepStream',
+            atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.FromString,
             options,
             channel_credentials,
             insecure,

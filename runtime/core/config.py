@@ -49,6 +49,9 @@ class JobConfig:
     """How long a request the cluster cannot meet now waits in the admission queue (0: fail at once)."""
     weight: float = 1.0
     """Share of shared workers' time against other busy jobs (controller/fairness.py)."""
+    dispatch: str = "parallel"
+    """"parallel": a step goes to all its workers at once; "sequential": each rank only once the
+    previous one has started its step (there only to measure what parallel dispatch saves)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
