@@ -45,9 +45,6 @@ class SplitStage:
 class SplitModel:
     stages: list[SplitStage]
     dataflow: Dataflow
-    aliases: dict[str, str]
-    """Other names of shared tensors (``head.weight``) -> the name the stages use (``emb.weight``).
-    The job's state_dict lists both."""
 
 
 def module_path(node: fx.Node) -> str:
@@ -304,7 +301,7 @@ def split_model(
         for name, ss in used_params.items()
         if len(ss) > 1
     )
-    return SplitModel(stages, Dataflow(num_stages, tuple(edges), tied), dict(g.aliases))
+    return SplitModel(stages, Dataflow(num_stages, tuple(edges), tied))
 
 
 def _stage_modules(g: _ModelGraph, stage_index: list[int], num_stages: int) -> list[tuple[str, ...]]:

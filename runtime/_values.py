@@ -77,10 +77,6 @@ class ValueStore:
             if self._values.pop(value_id, None) is None:
                 raise NotFound(f"remote value {value_id} is not on this worker (freed already?)")
 
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(t.nbytes for t in self._values.values())
-
     def _serve(self) -> None:
         while not self._closed:
             try:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll.core.dataflow import Dataflow, Routes
+from atoll.core.dataflow import BATCH, Dataflow, Edge, Routes
 from atoll.core.wire import EdgeSpec, TensorSpec
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: F401 (lm_loss: for tests)
 
@@ -126,9 +126,11 @@ class LogitsOnly(nn.Module):
 
 
 def placed_chain(stage_ranks: list[int]) -> Routes:
-    """A chain of stages on these ranks, each edge one float tensor (for pure-logic tests)."""
-    spec = EdgeSpec("x", (TensorSpec((1,), "float32"),))
-    return Routes(Dataflow.chain([spec] * (len(stage_ranks) - 1), spec), stage_ranks)
+    """A chain of stages on these ranks (stage s feeds stage s + 1), each edge one float tensor,
+    for pure-logic tests."""
+    x = EdgeSpec("x", (TensorSpec((1,), "float32"),))
+    edges = [Edge(BATCH, 0, (0,), (0,), x)] + [Edge(s, s + 1, (0,), (0,), x) for s in range(len(stage_ranks) - 1)]
+    return Routes(Dataflow(len(stage_ranks), tuple(edges)), stage_ranks)
 
 
 def chain_routes(topo) -> Routes:

@@ -14,8 +14,9 @@ import torch
 
 import atoll
 from tests import models
+from tests.test_pipeline_parity import OPTIMIZERS
 
-SGD = {"lr": 0.05, "momentum": 0.9}
+SGD = OPTIMIZERS["sgd"]
 
 
 def train_timed(job, batches, in_flight: int = 4) -> tuple[list[float], list[float]]:

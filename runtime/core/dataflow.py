@@ -66,14 +66,6 @@ class Dataflow:
     def outgoing(self, stage: int) -> list[tuple[int, Edge]]:
         return [(i, e) for i, e in enumerate(self.edges) if e.src == stage]
 
-    @staticmethod
-    def chain(specs: Sequence[EdgeSpec], input_spec: EdgeSpec) -> Dataflow:
-        """Stage s feeds all its outputs to stage s + 1; ``specs[s]`` is what stage s outputs."""
-        everything = lambda spec: tuple(range(len(spec.tensors)))  # noqa: E731
-        edges = [Edge(BATCH, 0, everything(input_spec), everything(input_spec), input_spec)]
-        edges += [Edge(s, s + 1, everything(spec), everything(spec), spec) for s, spec in enumerate(specs)]
-        return Dataflow(len(specs) + 1, tuple(edges))
-
     def to_pb(self) -> tuple[list[pb.DataflowEdge], list[pb.TiedParameter]]:
         edges = [
             pb.DataflowEdge(
