@@ -24,7 +24,14 @@ from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
 from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
-from atoll.core.wire import EdgeSpec, spec_from_pb, spec_of_pb_tensor, spec_to_pb
+from atoll.core.wire import (
+    EdgeSpec,
+    spec_from_pb,
+    spec_of_pb_tensor,
+    spec_to_pb,
+    tensor_spec_from_pb,
+    tensor_spec_to_pb,
+)
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 
 log = logging.getLogger("atoll.controller")
@@ -211,7 +218,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def _check_batch(spec: EdgeSpec, tensors, refs=()) -> None:
         if refs and tensors:
             raise InvalidInput(f"edge '{spec.name}': give tensors or remote values, not both")
-        got = [spec_from_pb(pb.EdgeSpec(tensors=[r.spec])).tensors[0] for r in refs] if refs else None
+        got = [tensor_spec_from_pb(r.spec, f"edge '{spec.name}'") for r in refs] if refs else None
         if got is not None:
             if tuple(got) != spec.tensors:
                 shown = ", ".join(map(str, got))
@@ -353,7 +360,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             worker = min(workers, key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         value_id = uuid.uuid4().hex
         worker.endpoint.call("PutValue", pb.PutValueRequest(tensor=request.tensor, value_id=value_id))
-        spec = pb.TensorSpec(dtype=request.tensor.dtype, shape=request.tensor.shape)
+        spec = tensor_spec_to_pb(spec_of_pb_tensor(request.tensor))
         return self._holder_ref(worker, pb.RemoteRef(value_id=value_id, spec=spec))
 
     @rpc_handler

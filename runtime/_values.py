@@ -15,13 +15,8 @@ import threading
 
 import torch
 
-from atoll.core.wire import TensorSpec, dtype_name, parse_dtype
+from atoll.core.wire import TensorSpec, dtype_name, tensor_bytes, tensor_from_bytes
 from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:
@@ -94,7 +89,7 @@ class ValueStore:
                     header, data = {"error": "bad token"}, b""
                 else:
                     value = self.get(value_id)
-                    data = _raw(value)
+                    data = tensor_bytes(value)
                     header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
             except NotFound as e:
                 header, data = {"error": str(e)}, b""
@@ -130,7 +125,4 @@ def pull(address: str, token: str, value_id: str, timeout_s: float) -> torch.Ten
         raise DeadlineExceeded(f"remote value {value_id}: no answer from {address} within {timeout_s}s") from None
     except (OSError, ConnectionError, ValueError) as e:
         raise NotFound(f"remote value {value_id}: cannot read it from {address}: {e}") from None
-    dtype, shape = parse_dtype(header["dtype"]), tuple(header["shape"])
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    return tensor_from_bytes(data, header["dtype"], header["shape"], f"remote value {value_id}")

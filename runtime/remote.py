@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.core.wire import TensorSpec, tensor_from_pb
+from atoll.core.wire import tensor_from_pb, tensor_spec_from_pb
 
 if TYPE_CHECKING:
     from atoll.client import Client
@@ -24,7 +24,7 @@ class RemoteValue:
     def __init__(self, client: Client, ref: pb.RemoteRef):
         self._client = client
         self.ref = ref
-        self.spec = TensorSpec(tuple(ref.spec.shape), ref.spec.dtype)
+        self.spec = tensor_spec_from_pb(ref.spec, "remote value")
         self._freed = False
 
     @property

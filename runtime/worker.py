@@ -29,7 +29,7 @@ from atoll.core.actions import Action
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
-from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_to_pb
+from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
 
 log = logging.getLogger("atoll.worker")
@@ -228,7 +228,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             for t in outputs:
                 value_id = uuid.uuid4().hex
                 spec = self.values.put(value_id, t)
-                kept.append(pb.RemoteRef(value_id=value_id, spec=pb.TensorSpec(dtype=spec.dtype, shape=spec.shape)))
+                kept.append(pb.RemoteRef(value_id=value_id, spec=tensor_spec_to_pb(spec)))
             outputs = []
         return pb.RunStepReply(
             microbatch_losses=losses,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.core.wire import EdgeSpec, TensorSpec, spec_from_pb, spec_to_pb
+from atoll.core.wire import EdgeSpec, TensorSpec, spec_from_pb, spec_to_pb, tensor_spec_from_pb, tensor_spec_to_pb
 
 BATCH = -1
 """The source of an edge that carries the step's input batch (the controller hands each
@@ -73,10 +73,7 @@ class Dataflow:
             )
             for e in self.edges
         ]
-        tied = [
-            pb.TiedParameter(name=t.name, stages=t.stages, spec=pb.TensorSpec(dtype=t.spec.dtype, shape=t.spec.shape))
-            for t in self.tied
-        ]
+        tied = [pb.TiedParameter(name=t.name, stages=t.stages, spec=tensor_spec_to_pb(t.spec)) for t in self.tied]
         return edges, tied
 
     @staticmethod
@@ -84,7 +81,10 @@ class Dataflow:
         return Dataflow(
             num_stages,
             tuple(Edge(e.src, e.dst, tuple(e.src_indices), tuple(e.dst_indices), spec_from_pb(e.spec)) for e in edges),
-            tuple(TiedParameter(t.name, tuple(t.stages), TensorSpec(tuple(t.spec.shape), t.spec.dtype)) for t in tied),
+            tuple(
+                TiedParameter(t.name, tuple(t.stages), tensor_spec_from_pb(t.spec, f"tied parameter {t.name}"))
+                for t in tied
+            ),
         )
 
 

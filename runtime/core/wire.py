@@ -98,41 +98,55 @@ class EdgeSpec:
             raise InvalidInput(f"edge '{self.name}': expected {self}, received {shown}")
 
 
+def tensor_spec_to_pb(t: TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(dtype=t.dtype, shape=t.shape)
+
+
+def tensor_spec_from_pb(msg: pb.TensorSpec, what: str) -> TensorSpec:
+    parse_dtype(msg.dtype)
+    if any(d < 0 for d in msg.shape):
+        raise InvalidInput(f"{what}: negative dimension in shape {list(msg.shape)}")
+    return TensorSpec(tuple(msg.shape), msg.dtype)
+
+
 def spec_to_pb(spec: EdgeSpec) -> pb.EdgeSpec:
-    return pb.EdgeSpec(name=spec.name, tensors=[pb.TensorSpec(dtype=t.dtype, shape=t.shape) for t in spec.tensors])
+    return pb.EdgeSpec(name=spec.name, tensors=[tensor_spec_to_pb(t) for t in spec.tensors])
 
 
 def spec_from_pb(msg: pb.EdgeSpec) -> EdgeSpec:
-    tensors = []
-    for t in msg.tensors:
-        parse_dtype(t.dtype)
-        if any(d < 0 for d in t.shape):
-            raise InvalidInput(f"edge '{msg.name}': negative dimension in shape {list(t.shape)}")
-        tensors.append(TensorSpec(tuple(t.shape), t.dtype))
-    return EdgeSpec(msg.name, tuple(tensors))
+    return EdgeSpec(msg.name, tuple(tensor_spec_from_pb(t, f"edge '{msg.name}'") for t in msg.tensors))
 
 
-def tensor_to_pb(t: torch.Tensor) -> pb.TensorData:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (C-contiguous, on the host): the wire form of its data."""
     t = t.detach().to("cpu").contiguous()
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return pb.TensorData(dtype=dtype_name(t.dtype), shape=list(t.shape), data=data)
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def tensor_from_pb(msg: pb.TensorData, what: str = "tensor") -> torch.Tensor:
-    dtype = parse_dtype(msg.dtype)
-    shape = tuple(msg.shape)
+def tensor_from_bytes(data: bytes, dtype_text: str, shape, what: str = "tensor") -> torch.Tensor:
+    """The tensor of ``tensor_bytes``, checked against its dtype and shape."""
+    dtype = parse_dtype(dtype_text)
+    shape = tuple(shape)
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{what}: negative dimension in shape {list(shape)}")
     numel = 1
     for d in shape:
         numel *= d
-    if len(msg.data) != numel * dtype.itemsize:
+    if len(data) != numel * dtype.itemsize:
         raise InvalidInput(
-            f"{what}: {msg.dtype}{list(shape)} needs {numel * dtype.itemsize} bytes, message carries {len(msg.data)}"
+            f"{what}: {dtype_text}{list(shape)} needs {numel * dtype.itemsize} bytes, message carries {len(data)}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).reshape(shape)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.TensorData:
+    return pb.TensorData(dtype=dtype_name(t.dtype), shape=list(t.shape), data=tensor_bytes(t))
+
+
+def tensor_from_pb(msg: pb.TensorData, what: str = "tensor") -> torch.Tensor:
+    return tensor_from_bytes(msg.data, msg.dtype, msg.shape, what)
 
 
 def spec_of_pb_tensor(msg: pb.TensorData) -> TensorSpec:
