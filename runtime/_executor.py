@@ -361,10 +361,8 @@ class PipelineExecutor:
     def _counter(self, s: int, inputs: list[torch.Tensor]) -> SavedTensors:
         """Counts what a stage saves. A handed-off input is its producer's stashed output, counted
         there (as a received input is counted as a buffer), so it is not counted again."""
-        local = self.routes.local_in(s)
-        if not local:
-            return SavedTensors(self._not_activations)
-        return SavedTensors(self._not_activations | {storage_key(inputs[j]) for _, e in local for j in e.dst_indices})
+        handed_over = {storage_key(inputs[j]) for _, e in self.routes.local_in(s) for j in e.dst_indices}
+        return SavedTensors(self._not_activations, handed_over)
 
     def _run_stage(self, s: int, m: int, inputs: list[torch.Tensor], state: _StepState) -> list[torch.Tensor]:
         out = self.stages[s].graph.forward(inputs)
@@ -441,7 +439,7 @@ class PipelineExecutor:
             if pairs:  # an integer-only edge sends no gradient back
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         state.activation_bytes -= stash.nbytes + recomputed
-        readers = sum(1 for _, e in self.routes.local_in(s) if e.differentiable) + self.routes.sends_b(s)
+        readers = self.routes.grad_readers(s)
         if readers:
             state.input_grads[(s, m)] = _InputGrads(
                 {

@@ -13,7 +13,7 @@ these two objects and nothing else about the program's shape.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from atoll._rpc import atoll_pb2 as pb
@@ -35,11 +35,12 @@ class Edge:
     dst_indices: tuple[int, ...]
     """Positions in the consumer's flat inputs, one per carried tensor."""
     spec: EdgeSpec
+    differentiable: tuple[int, ...] = field(init=False, compare=False)
+    """Positions (within this edge) of the tensors that carry a gradient back; fixed at construction,
+    since the executor reads it on every microbatch."""
 
-    @property
-    def differentiable(self) -> tuple[int, ...]:
-        """Positions (within this edge) of the tensors that carry a gradient back."""
-        return () if self.src == BATCH else self.spec.differentiable
+    def __post_init__(self):
+        object.__setattr__(self, "differentiable", () if self.src == BATCH else self.spec.differentiable)
 
     @property
     def grad_specs(self) -> list[TensorSpec]:
@@ -89,8 +90,9 @@ class Dataflow:
 
 
 class Routes:
-    """The dataflow once placed: per stage, its remote and local edges in each direction
-    (computed once: the executor asks on every microbatch)."""
+    """The dataflow once placed: per stage, its remote and local edges in each direction, and
+    what its receives, sends and gradients need (computed once: the executor asks on every
+    microbatch)."""
 
     def __init__(self, flow: Dataflow, stage_ranks: Sequence[int]):
         self.flow = flow
@@ -105,6 +107,12 @@ class Routes:
         self._batch_in = [batch(es) for es in inc]
         self._remote_out = [local(es, False) for es in out]
         self._local_out = [local(es, True) for es in out]
+        self._recv_f_specs = [[t for _, e in es for t in e.spec.tensors] for es in self._remote_in]
+        self._recv_b_specs = [[t for _, e in es for t in e.grad_specs] for es in self._remote_out]
+        self._sends_b = [any(e.differentiable for _, e in es) for es in self._remote_in]
+        self._grad_readers = [
+            sum(1 for _, e in self._local_in[s] if e.differentiable) + self._sends_b[s] for s in range(n)
+        ]
 
     def is_local(self, edge: Edge) -> bool:
         """Both ends on one rank: a hand-off in memory, no transport."""
@@ -128,23 +136,28 @@ class Routes:
 
     def recv_f_specs(self, stage: int) -> list[TensorSpec]:
         """What one RECV_F of ``stage`` fills: every remote incoming edge's tensors, in edge order."""
-        return [t for _, e in self.remote_in(stage) for t in e.spec.tensors]
+        return self._recv_f_specs[stage]
 
     def recv_b_specs(self, stage: int) -> list[TensorSpec]:
         """What one RECV_B of ``stage`` fills: the gradients of its remote outgoing edges."""
-        return [t for _, e in self.remote_out(stage) for t in e.grad_specs]
+        return self._recv_b_specs[stage]
 
     def needs_recv_f(self, stage: int) -> bool:
-        return bool(self.remote_in(stage))
+        return bool(self._remote_in[stage])
 
     def sends_f(self, stage: int) -> bool:
-        return bool(self.remote_out(stage))
+        return bool(self._remote_out[stage])
 
     def needs_recv_b(self, stage: int) -> bool:
-        return bool(self.recv_b_specs(stage))
+        return bool(self._recv_b_specs[stage])
 
     def sends_b(self, stage: int) -> bool:
-        return any(e.differentiable for _, e in self.remote_in(stage))
+        return self._sends_b[stage]
+
+    def grad_readers(self, stage: int) -> int:
+        """How many take the gradients of ``stage``'s inputs: each local producer, and one SEND_B
+        for all the remote ones."""
+        return self._grad_readers[stage]
 
     @cached_property
     def tied_ranks(self) -> dict[int, list[int]]:

@@ -38,8 +38,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 class SavedTensors:
     """Context manager: records the storages autograd saves while it is active."""
 
-    def __init__(self, exclude: set[int]):
+    def __init__(self, exclude: set[int], also_exclude: set[int] = frozenset()):
+        """``exclude``: storages counted elsewhere (shared, not copied); ``also_exclude``: a few
+        more for this count alone."""
         self.exclude = exclude
+        self.also_exclude = also_exclude
         self.storages: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -51,7 +54,7 @@ class SavedTensors:
     def _count(self, t: torch.Tensor) -> None:
         storage = _storage(t)
         key = storage._cdata
-        if key not in self.exclude:
+        if key not in self.exclude and key not in self.also_exclude:
             self.storages[key] = storage.nbytes()
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
