@@ -88,6 +88,10 @@ class CompiledPipeline:
     request: PipelineRequest
     topology: Topology
     dataflow: Dataflow
+    routes: Routes
+    """The dataflow placed on the topology's ranks."""
+    batch_ranks: frozenset[int]
+    """Ranks running a stage that reads the batch input (they are sent each step's input)."""
     stages: list[CompiledStage]
     lowered: Lowered
     timeline: Timeline
@@ -95,19 +99,9 @@ class CompiledPipeline:
     microbatch_input: EdgeSpec
     microbatch_target: EdgeSpec
 
-    @property
-    def routes(self) -> Routes:
-        return Routes(self.dataflow, self.topology.stage_ranks)
-
-    @property
-    def batch_ranks(self) -> set[int]:
-        """Ranks running a stage that reads the batch input (they are sent each step's input)."""
-        return {self.topology.rank_of(e.dst) for e in self.dataflow.edges if e.src == BATCH}
-
     def report(self, placement: dict[int, str] | None = None) -> dict:
         """The plan as plain data: placement, stages, edges, per-rank actions and grid, memory."""
         t = self.topology
-        routes = self.routes
         return {
             "schedule": t.schedule,
             "ranks": t.ranks,
@@ -137,7 +131,7 @@ class CompiledPipeline:
                     "from_stage": "input" if e.src == BATCH else e.src,
                     "to_stage": e.dst,
                     "tensors": str(e.spec),
-                    "kind": "batch" if e.src == BATCH else ("local" if routes.is_local(e) else "remote"),
+                    "kind": "batch" if e.src == BATCH else ("local" if self.routes.is_local(e) else "remote"),
                     "skip": e.src != BATCH and e.dst - e.src > 1,
                 }
                 for e in self.dataflow.edges
@@ -227,6 +221,8 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         request=req,
         topology=topo,
         dataflow=split.dataflow,
+        routes=routes,
+        batch_ranks=frozenset(topo.rank_of(e.dst) for e in split.dataflow.edges if e.src == BATCH),
         stages=stages,
         lowered=lowered,
         timeline=timeline,
