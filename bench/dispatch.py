@@ -11,19 +11,26 @@
     to all ranks at once) and with ``dispatch="sequential"`` (each rank only once the previous
     has started the step), 16 steps in flight, and their ratio;
 (d) the controller's CPU time per tiny training step as the chain grows over 1, 2, 4 and 8 real
-    workers (user + system time of the controller process, from /proc).
+    workers (user + system time of the controller process, from /proc), and over 64 to 1,024
+    simulated workers (bench/sim_workers.py: processes that register many workers each and
+    answer control calls without running stages), with the step sent directly to every worker
+    and relayed through group leaders (what "parallel" dispatch does above 16 workers). The
+    simulated cluster's controller asks for heartbeats every 5 s; the CPU it spends while idle
+    (heartbeats, health checks) is measured first and subtracted, and reported.
 
-Nothing here asserts on time. Not measured (yet): simulated clusters of 64 to 1,024 workers.
+Nothing here asserts on time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +44,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import atoll  # noqa: E402
+from atoll.local import stop_processes  # noqa: E402
 
 WIDTH = 8
 
@@ -103,10 +111,88 @@ def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
     return round(steps / (time.perf_counter() - start), 1)
 
 
+SIM_PER_PROCESS = 128
+
+
+def _start_simulated(cluster: atoll.LocalCluster, workers: int) -> list[subprocess.Popen]:
+    """Processes of simulated workers on island "sim", registered once this returns."""
+    procs = []
+    for i in range(math.ceil(workers / SIM_PER_PROCESS)):
+        count = min(SIM_PER_PROCESS, workers - i * SIM_PER_PROCESS)
+        ready = cluster.log_dir / f"sim{i}.ready"
+        args = ["--controller", cluster.address, "--token-file", str(cluster.log_dir / "token"), "--count", str(count)]
+        args += ["--ready-file", str(ready), "--exit-with-parent", str(os.getpid())]
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("sim_workers.py")), *args]))
+    deadline = time.monotonic() + 120
+    for i, proc in enumerate(procs):
+        while not (cluster.log_dir / f"sim{i}.ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_processes(procs)
+                raise RuntimeError(f"simulated workers {i} did not start (exit code {proc.returncode})")
+            time.sleep(0.1)
+    return procs
+
+
+def _controller_cpu_ms_per_step(job, x, pid: int, steps: int, idle_cpu_per_s: float) -> dict:
+    job.max_in_flight = 16
+    for _ in range(3):
+        job.step(x, x)
+    before, start = _cpu_seconds(pid), time.perf_counter()
+    futures = [job.step_async(x, x) for _ in range(steps)]
+    for f in futures:
+        f.result()
+    wall = time.perf_counter() - start
+    cpu = _cpu_seconds(pid) - before
+    return {
+        "cpu_ms": round((cpu - idle_cpu_per_s * wall) / steps * 1e3, 2),
+        "raw_cpu_ms": round(cpu / steps * 1e3, 2),
+        "steps_per_s": round(steps / wall, 1),
+    }
+
+
+def simulated_dispatch(sizes: list[int], steps: int) -> dict:
+    report: dict = {}
+    with (
+        atoll.LocalCluster(workers=1, heartbeat_interval_s=5.0, heartbeat_timeout_s=120.0) as cluster,
+        cluster.client() as client,
+    ):
+        procs = _start_simulated(cluster, max(sizes))
+        try:
+            pid = cluster.controller.pid
+            before = _cpu_seconds(pid)
+            time.sleep(5.0)
+            idle = (_cpu_seconds(pid) - before) / 5.0
+            report["controller_idle_cpu_ms_per_s"] = round(idle * 1e3, 2)
+            for n in sizes:
+                model, x = tiny(n)
+                by_mode = {}
+                for mode in ("direct", "relay"):
+                    start = time.perf_counter()
+                    job = client.pipeline(
+                        model,
+                        example_input=x,
+                        example_target=x,
+                        loss_fn=F.mse_loss,
+                        stages=n,
+                        microbatches=1,
+                        islands=["sim"] * n,
+                        dispatch=mode,
+                    )
+                    by_mode["compile_and_load_s"] = round(time.perf_counter() - start, 1)
+                    by_mode[mode] = _controller_cpu_ms_per_step(job, x, pid, steps, idle)
+                    job.close()
+                report[str(n)] = by_mode
+        finally:
+            stop_processes(procs)
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="round trips measured for (a)")
     parser.add_argument("--steps", type=int, default=200, help="training steps measured for (b) and (c)")
+    parser.add_argument("--sim-steps", type=int, default=30, help="steps measured per simulated cluster size")
+    parser.add_argument("--sim-workers", type=int, nargs="*", default=[64, 256, 1024], help="simulated cluster sizes")
     args = parser.parse_args()
     report = {
         "benchmark": "dispatch",
@@ -163,6 +249,8 @@ def main() -> None:
             cpu[str(stages)] = round((_cpu_seconds(controller) - before) / args.steps * 1e3, 3)
             job.close()
         report["controller_cpu_ms_per_step_by_workers"] = cpu
+    if args.sim_workers:
+        report["controller_cpu_ms_per_step_by_simulated_workers"] = simulated_dispatch(args.sim_workers, args.sim_steps)
     print(json.dumps(report, indent=1))
 
 

@@ -21,7 +21,7 @@ from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import Timeline, simulate
 from atoll.controller.split import split_model
 from atoll.controller.topology import Topology
-from atoll.core.config import JobConfig
+from atoll.core.config import DISPATCH_MODES, JobConfig
 from atoll.core.dataflow import BATCH, Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize
 from atoll.core.optim import validate_optimizer
@@ -165,8 +165,8 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         ranks=cfg.stages, virtual_stages=cfg.virtual_stages, microbatches=cfg.microbatches, schedule=cfg.schedule
     )
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
-    if cfg.dispatch not in ("parallel", "sequential"):
-        raise InvalidInput(f"dispatch must be 'parallel' or 'sequential', got {cfg.dispatch!r}")
+    if cfg.dispatch not in DISPATCH_MODES:
+        raise InvalidInput(f"dispatch must be one of {', '.join(DISPATCH_MODES)}; got {cfg.dispatch!r}")
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:

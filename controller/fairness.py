@@ -37,7 +37,7 @@ class FairGate:
 
     def _can_go(self, w: _Waiting) -> bool:
         """Fewer than IN_FLIGHT unfinished steps on every worker of ``w``'s job."""
-        busy = sum(n for j, n in self._in_flight.items() if n and self._workers[j] & w.workers)
+        busy = sum(n for j, n in self._in_flight.items() if n and not self._workers[j].isdisjoint(w.workers))
         return busy < self.IN_FLIGHT
 
     def _ahead(self, me: _Waiting) -> bool:
@@ -46,7 +46,7 @@ class FairGate:
         return any(
             (self._virtual.get(w.job_id, 0.0), w.arrival) < mine
             for w in self._waiting
-            if w is not me and w.workers & me.workers and self._can_go(w)
+            if w is not me and not w.workers.isdisjoint(me.workers) and self._can_go(w)
         )
 
     def enter(self, job_id: str, workers: frozenset[str], weight: float) -> None:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from atoll.controller.compiler import CompiledPipeline
+from atoll.controller.dispatch import RELAY_ABOVE_WORKERS
 from atoll.controller.registry import WorkerRecord
 
 
@@ -34,6 +35,18 @@ class Job:
     """The client's number of the next step to dispatch: steps go out in the client's order."""
     order: threading.Condition = field(default_factory=threading.Condition)
     loaded_at: float = field(default_factory=time.monotonic)
+    worker_ids: frozenset[str] = field(init=False)
+
+    def __post_init__(self):
+        self.worker_ids = frozenset(w.worker_id for w in self.workers)
+
+    @property
+    def dispatch_mode(self) -> str:
+        """How a step goes out: "direct", "relay" or "sequential" (JobConfig.dispatch)."""
+        mode = self.compiled.request.config.dispatch
+        if mode == "parallel":
+            return "relay" if len(self.workers) > RELAY_ABOVE_WORKERS else "direct"
+        return mode
 
     @property
     def exclusive(self) -> bool:

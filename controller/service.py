@@ -71,7 +71,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.store_port = store_port
         self.load_timeout_s = load_timeout_s
         self.step_timeout_s = step_timeout_s
-        self.dispatcher = Dispatcher()
+        self.dispatcher = Dispatcher(token)
         self.gang = GangScheduler()
         self._jobs: dict[str, Job] = {}
         self._closed: set[str] = set()  # ids only: a closed job's plan and weights are dropped
@@ -161,14 +161,17 @@ class ControllerService(pb_grpc.ControllerServicer):
             tied=tied,
         )
 
-    def _dispatch_ordered(self, calls: list[Call], timeout_s: float, sequential: bool = False):
-        """Give each call its worker's next gang position and send them all, without waiting
-        (or, ``sequential``, each once the previous has started: JobConfig.dispatch)."""
+    def _dispatch_ordered(self, calls: list[Call], timeout_s: float, mode: str = "direct", common=None):
+        """Give each call its worker's next gang position and send them all, without waiting:
+        ``mode`` "direct", "relay" (a step through relaying workers; ``common`` is the request
+        shared by the ranks that have none of their own) or "sequential" (JobConfig.dispatch)."""
         with self.gang.positions() as take:
             for call in calls:
-                call.request.gang_seq = take(call.worker.worker_id)
-            if not sequential:
+                call.gang_seq = take(call.worker.worker_id)
+            if mode == "direct":
                 return self.dispatcher.submit(calls, timeout_s)
+            if mode == "relay":
+                return self.dispatcher.relay(calls, common, timeout_s)
         return self.dispatcher.sequential(calls, timeout_s)
 
     @rpc_handler
@@ -205,7 +208,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             for r, w in enumerate(workers)
         ]
         try:
-            self.dispatcher.gather(calls, self._dispatch_ordered(calls, self.load_timeout_s))
+            self._dispatch_ordered(calls, self.load_timeout_s).replies()
         except DispatchError as e:
             job.fail(f"loading failed: {e}")
             self._unload(job, wait=True)
@@ -255,28 +258,24 @@ class ControllerService(pb_grpc.ControllerServicer):
                     self._check_batch(job.compiled.request.target, request.targets, target_refs)
                 if request.keep_outputs and mode != "forward":
                     raise InvalidInput("only a forward step keeps its output on the workers")
-                calls = [
-                    Call(
-                        w,
-                        "RunStep",
-                        pb.RunStepRequest(
-                            job_id=job.job_id,
-                            step=seq - 1,
-                            inputs=request.inputs if r in readers else [],
-                            targets=request.targets if r == last else [],
-                            input_refs=input_refs if r in readers else [],
-                            target_refs=target_refs if r == last else [],
-                            keep_outputs=request.keep_outputs and r == last,
-                            mode=mode,
-                        ),
+                common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
+                own = {}  # the requests of the ranks that read the batch or hold the last stage
+                for r in {*readers, last}:
+                    own[r] = pb.RunStepRequest(
+                        job_id=job.job_id,
+                        step=seq - 1,
+                        inputs=request.inputs if r in readers else [],
+                        targets=request.targets if r == last else [],
+                        input_refs=input_refs if r in readers else [],
+                        target_refs=target_refs if r == last else [],
+                        keep_outputs=request.keep_outputs and r == last,
+                        mode=mode,
                     )
-                    for r, w in enumerate(job.workers)
-                ]
+                calls = [Call(w, "RunStep", own.get(r, common)) for r, w in enumerate(job.workers)]
                 # fair between jobs sharing workers (controller/fairness.py), then in gang order
-                self.gate.enter(job.job_id, frozenset(w.worker_id for w in job.workers), job.weight)
+                self.gate.enter(job.job_id, job.worker_ids, job.weight)
                 try:
-                    sequential = job.compiled.request.config.dispatch == "sequential"
-                    futures = self._dispatch_ordered(calls, self.step_timeout_s, sequential)
+                    pending = self._dispatch_ordered(calls, self.step_timeout_s, job.dispatch_mode, common)
                 except BaseException:
                     self.gate.leave(job.job_id)
                     raise
@@ -284,7 +283,7 @@ class ControllerService(pb_grpc.ControllerServicer):
                 job.next_seq = seq + 1
                 job.order.notify_all()
         try:  # waiting happens outside the order: the next step can be dispatched meanwhile
-            replies = self.dispatcher.gather(calls, futures)
+            replies = pending.replies()
         except DispatchError as e:
             cause = self._blame(job, e)
             self._fail(job, f"step {seq} failed: {cause}")
@@ -297,12 +296,13 @@ class ControllerService(pb_grpc.ControllerServicer):
             with job.order:
                 job.steps += 1
         losses = list(replies[last].microbatch_losses)
-        memory = {str(r): json.loads(rep.memory_json or "{}") for r, rep in enumerate(replies)}
+        # each worker's accounting is JSON already: joined, not parsed (a job may have many workers)
+        memory = ", ".join(f'"{r}": {rep.memory_json or "{}"}' for r, rep in enumerate(replies))
         return pb.StepReply(
             loss=sum(losses) / len(losses) if losses else 0.0,
             microbatch_losses=losses,
             step=seq,
-            memory_json=json.dumps(memory),
+            memory_json="{" + memory + "}",
             outputs=replies[last].outputs,
             kept_outputs=[self._holder_ref(job.workers[last], k) for k in replies[last].kept_outputs],
         )
@@ -395,8 +395,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         job = self._ready_job(request.job_id)
         calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in job.workers]
         with job.order:  # after every step the client has sent so far
-            futures = self._dispatch_ordered(calls, self.step_timeout_s)
-        replies = self.dispatcher.gather(calls, futures)
+            pending = self._dispatch_ordered(calls, self.step_timeout_s)
+        replies = pending.replies()
         tensors = {t.name: t for reply in replies for t in reply.tensors}  # a tied parameter comes from each holder
         for alias, name in job.compiled.request.aliases.items():  # the model's other names of shared tensors
             if name in tensors:
@@ -495,4 +495,4 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     def stop(self) -> None:
         self.registry.stop()
-        self.dispatcher.shutdown()
+        self.dispatcher.close()

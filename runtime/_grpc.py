@@ -3,8 +3,11 @@ deadlines, and one mapping between atoll errors and status codes."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
+import threading
 import traceback
 from concurrent import futures
 
@@ -109,6 +112,47 @@ class Endpoint:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class AsyncCalls:
+    """Many unary calls in flight at once without a thread each: one asyncio loop thread drives
+    them over ``grpc.aio`` channels (one per address, made on first use). Used for dispatch,
+    where a step is one call per worker (or per relay group) and many steps may be in flight;
+    a thread per call would cost more, and a bounded pool of them could deadlock by queuing
+    part of a step behind its own waiting calls."""
+
+    def __init__(self, token: str, stub_class):
+        self._metadata = call_metadata(token)
+        self._stub_class = stub_class
+        self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+    def call(self, address: str, method: str, request, timeout_s: float) -> futures.Future:
+        """Start the call now; a Future of its reply, or of its atoll error."""
+        return asyncio.run_coroutine_threadsafe(self._call(address, method, request, timeout_s), self._loop)
+
+    async def _call(self, address: str, method: str, request, timeout_s: float):
+        entry = self._channels.get(address)  # only touched on the loop's thread
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            entry = self._channels[address] = (channel, self._stub_class(channel))
+        try:
+            return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {address}") from None
+
+    def close(self) -> None:
+        async def close_all():
+            for channel, _ in self._channels.values():
+                await channel.close()
+            self._channels.clear()
+
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(5.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def as_atoll_error(e: grpc.RpcError, what: str) -> errors.AtollError:

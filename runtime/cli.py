@@ -53,6 +53,7 @@ def _controller(args) -> None:
             host=args.host,
             port=args.port,
             token_file=args.token_file,
+            heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             step_timeout_s=args.step_timeout,
             allow_pickle=args.allow_pickle,
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("controller", help="run the controller daemon")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between a worker's heartbeats (told to workers)"
+    )
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
     p.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step on a worker (s)")
     _add_common(p)

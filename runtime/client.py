@@ -220,8 +220,10 @@ class Client:
         default jobs share workers, ordered by the gang schedule). When the cluster cannot meet
         the request now, it waits up to ``admission_timeout_s`` in the controller's admission
         queue (arrival order), then fails with ``NotEnoughWorkers``. Busy jobs sharing workers
-        get their time in proportion to ``weight``. ``dispatch="sequential"`` sends a step to
-        each rank only once the previous rank has started it: there to measure parallel dispatch.
+        get their time in proportion to ``weight``. ``dispatch`` is "parallel" (every rank at once;
+        above 16 workers relayed through group leaders, so the controller's cost per step grows
+        with the square root of the workers), or, to measure what that saves, "direct",
+        "relay" or "sequential" (each rank only once the previous one has started the step).
         """
         config = JobConfig(
             stages=stages,

@@ -49,6 +49,7 @@ class LocalCluster:
         threads_per_worker: int | None = None,
         startup_timeout_s: float = 90.0,
         heartbeat_timeout_s: float = 5.0,
+        heartbeat_interval_s: float = 1.0,
         keep_logs: bool = False,
         log_level: str = "WARNING",
         devices: list[str] | None = None,
@@ -66,6 +67,7 @@ class LocalCluster:
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.startup_timeout_s = startup_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
         self.keep_logs = keep_logs
         self.log_level = log_level
         self.address = ""
@@ -134,6 +136,8 @@ class LocalCluster:
                     str(ready),
                     "--heartbeat-timeout",
                     str(self.heartbeat_timeout_s),
+                    "--heartbeat-interval",
+                    str(self.heartbeat_interval_s),
                 ],
             )
             self.address = self._wait_file(ready, self.controller, deadline)

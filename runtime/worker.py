@@ -20,6 +20,7 @@ from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
 from atoll._grpc import Endpoint, make_server, rpc_handler, rpc_stream_handler
 from atoll._nccl import NcclTransport
+from atoll._relay import Relay
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
@@ -67,6 +68,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._jobs: dict[str, PipelineExecutor] = {}
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
+        self.relay = Relay(token, self._step_in_turn)
 
     def _job(self, job_id: str) -> PipelineExecutor:
         with self._lock:
@@ -190,10 +192,18 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise
         return PeerTransports({p: by_name[name] for p, name in peers.items()}, list(by_name.values()))
 
-    @rpc_handler
-    def RunStep(self, request: pb.RunStepRequest, context):
+    def _step_in_turn(self, request: pb.RunStepRequest) -> pb.RunStepReply:
         with self.turnstile.turn(request.gang_seq):
             return self._step(request)
+
+    @rpc_handler
+    def RunStep(self, request: pb.RunStepRequest, context):
+        return self._step_in_turn(request)
+
+    @rpc_handler
+    def RunStepGroup(self, request: pb.RunStepGroupRequest, context):
+        """This worker's part of a step, and the other members' relayed to them (runtime/_relay.py)."""
+        return self.relay.run(request)
 
     @rpc_stream_handler
     def RunStepStream(self, request: pb.RunStepRequest, context):
@@ -364,4 +374,5 @@ class WorkerDaemon:
         self._stop.set()
         self.server.stop(grace=1.0).wait(5.0)
         self.service.values.close()
+        self.service.relay.close()
         self._controller.close()

@@ -79,18 +79,20 @@ def test_a_second_client_attaches_to_a_running_job(cluster4, client4):
         job.close()
 
 
-def test_sequential_dispatch_trains_the_same(client4):
-    """dispatch="sequential" (each rank once the previous has started: only for measuring) gives
-    the same losses and weights as the default parallel dispatch."""
+def test_every_dispatch_mode_trains_the_same(client4):
+    """dispatch="sequential" (each rank once the previous has started) and "relay" (through
+    relaying workers: groups of 2 on 4 workers) give the same losses and weights as the default
+    parallel dispatch (direct on 4 workers)."""
     results = []
-    for mode in ("parallel", "sequential"):
+    for mode in ("parallel", "sequential", "relay"):
         job, _, batches, _ = models.submit(client4, stages=4, microbatches=4, schedule="1f1b", dispatch=mode)
         try:
             results.append(([job.step(x, y) for x, y in batches], job.state_dict()))
         finally:
             job.close()
-    (losses_p, state_p), (losses_s, state_s) = results
-    assert losses_p == losses_s
-    assert all(state_p[k].equal(state_s[k]) for k in state_p)
-    with pytest.raises(atoll.InvalidInput, match="dispatch must be 'parallel' or 'sequential'"):
+    (losses_p, state_p), *others = results
+    for losses, state in others:
+        assert losses == losses_p
+        assert all(state_p[k].equal(state[k]) for k in state_p)
+    with pytest.raises(atoll.InvalidInput, match="dispatch must be one of parallel, direct, relay, sequential"):
         models.submit(client4, stages=2, microbatches=2, dispatch="zigzag")

@@ -8,13 +8,22 @@ import atoll
 from tests import models
 
 
-def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving():
+@pytest.mark.parametrize(
+    "dispatch, victim_rank",
+    [("parallel", 1), ("relay", 1), ("relay", 0)],
+    ids=["direct", "relay-member-dies", "relaying-worker-dies"],
+)
+def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, victim_rank):
+    """Relayed dispatch sends the step through rank 0 (one group of 2), so the dead worker is
+    either a relayed member or the relaying worker itself: the error names it either way."""
     with atoll.LocalCluster(workers=3, heartbeat_timeout_s=3.0) as cluster, cluster.client() as client:
-        job, _, batches, _ = models.submit(client, stages=2, microbatches=2, data_plane_timeout_s=5.0, name="doomed")
+        job, _, batches, _ = models.submit(
+            client, stages=2, microbatches=2, data_plane_timeout_s=5.0, name="doomed", dispatch=dispatch
+        )
         x, y = batches[0]
         job.step(x, y)
         workers = {w.worker_id: w for w in client.status().workers}
-        victim = workers[next(j for j in client.status().jobs if j.job_id == job.id).workers[1]]
+        victim = workers[next(j for j in client.status().jobs if j.job_id == job.id).workers[victim_rank]]
         index = [p.pid for p in cluster.workers].index(victim.pid)
         cluster.kill_worker(index)
 

@@ -551,6 +551,11 @@ class WorkerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.FromString,
                 _registered_method=True)
+        self.RunStepGroup = channel.unary_unary(
+                '/atoll.v1.Worker/RunStepGroup',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepGroupRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepGroupReply.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Worker/GetState',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
@@ -600,6 +605,13 @@ class WorkerServicer:
 
     def RunStepStream(self, request, context):
         """"started" when its turn comes, then the reply
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunStepGroup(self, request, context):
+        """relayed dispatch (runtime/_relay.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -658,6 +670,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunStepStream,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.SerializeToString,
+            ),
+            'RunStepGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunStepGroup,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RunStepGroupRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RunStepGroupReply.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -771,6 +788,33 @@ class Worker:
             '/atoll.v1.Worker/RunStepStream',
             atoll_dot___rpc_dot_atoll__pb2.RunStepRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.RunStepEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunStepGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/RunStepGroup',
+            atoll_dot___rpc_dot_atoll__pb2.RunStepGroupRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RunStepGroupReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,6 +14,8 @@ from google.protobuf import json_format
 from atoll._rpc import atoll_pb2 as pb
 from atoll.errors import InvalidInput
 
+DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
@@ -50,8 +52,10 @@ class JobConfig:
     weight: float = 1.0
     """Share of shared workers' time against other busy jobs (controller/fairness.py)."""
     dispatch: str = "parallel"
-    """"parallel": a step goes to all its workers at once; "sequential": each rank only once the
-    previous one has started its step (there only to measure what parallel dispatch saves)."""
+    """"parallel": a step goes to all its workers at once, directly up to 16 workers and relayed
+    through group leaders above (controller/dispatch.py); "direct" or "relay" force one of the
+    two; "sequential": each rank only once the previous one has started its step. All but
+    "parallel" exist to measure what it saves."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
