@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from atoll._auth import resolve_token
-from atoll._export import as_leaves, export_pipeline, split_names
+from atoll._export import as_leaves, export_pipeline
 from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
@@ -199,7 +199,8 @@ class Client:
         weight: float = 1.0,
         dispatch: str = "parallel",
     ) -> Job:
-        """Compile ``model`` into a pipeline over ``stages`` workers and load it.
+        """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
+        one stage, ``model``, over ``stages`` workers (see ``compile``).
 
         ``model`` is any ``nn.Module`` that ``torch.export`` can export at the microbatch shape.
         The controller cuts its graph into stages at submodule boundaries, balanced by cost, or
@@ -225,36 +226,27 @@ class Client:
         with the square root of the workers), or, to measure what that saves, "direct",
         "relay" or "sequential" (each rank only once the previous one has started the step).
         """
-        config = JobConfig(
-            stages=stages,
+        program = Program()
+        x, y = program.input("input", example_input), program.input("target", example_target)
+        out = program.stage(model, x, island=islands or "", stages=stages, split_points=split_points)
+        program.loss(loss_fn, out, y)
+        return self.compile(
+            program,
             microbatches=microbatches,
             schedule=schedule,
             virtual_stages=virtual_stages,
             optimizer=optimizer,
-            optimizer_args=dict(optimizer_args or {}),
-            split_at=tuple(split_names(model, split_points)),
+            optimizer_args=optimizer_args,
             rematerialize=rematerialize,
             data_plane_timeout_s=data_plane_timeout_s,
             device=device,
             transport=transport,
-            name=name or type(model).__name__,
-            islands=tuple(islands or ()),
+            name=name,
             exclusive=exclusive,
             admission_timeout_s=admission_timeout_s,
             weight=weight,
             dispatch=dispatch,
         )
-        exported = export_pipeline(model, example_input, example_target, loss_fn, microbatches)
-        program = pb.PipelineProgram(
-            model_program=exported.model,
-            loss_program=exported.loss,
-            input=spec_to_pb(exported.input),
-            target=spec_to_pb(exported.target),
-            aliases=exported.aliases,
-            config=config.to_pb(),
-        )
-        reply = self._call("SubmitPipeline", program, timeout_s=600.0)
-        return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
         """Place ``tensor`` on a worker (of ``island``, least loaded) once; pass the handle to steps
@@ -262,25 +254,38 @@ class Client:
         reply = self._call("PutValue", pb.PutValueRequest(tensor=tensor_to_pb(tensor), island=island))
         return RemoteValue(self, reply)
 
-    def compile(self, program: Program, **settings) -> Job:
-        """Compile an MPMD ``Program`` and load it: one stage per program stage, each on a worker
-        of its island. ``settings`` are those of ``pipeline`` (microbatches, schedule, optimizer,
-        ...), less what the program decides (stages, split points, islands)."""
-        decided = {"stages", "split_points", "islands"} & settings.keys()
+    def compile(self, program: Program, *, microbatches: int, optimizer_args: dict | None = None, **settings) -> Job:
+        """Compile an MPMD ``Program`` and load it: each program stage on its workers (one, or a
+        pipeline of several), each worker of its stage's island. ``settings`` are those of
+        ``pipeline`` (schedule, optimizer, ...) less what the program decides (stages, split
+        points, islands). The whole program is exported once, here; the controller splits it."""
+        decided = {"stages", "split_points", "islands", "split_at"} & settings.keys()
         if decided:
             raise InvalidInput(f"a program decides {', '.join(sorted(decided))} itself")
         model = program.module()
+        try:
+            config = JobConfig(
+                stages=program.ranks,
+                microbatches=microbatches,
+                optimizer_args=dict(optimizer_args or {}),
+                split_at=tuple(program.split_at(settings.get("virtual_stages", 1))),
+                islands=tuple(program.islands) if any(program.islands) else (),
+                **{**settings, "name": settings.get("name") or program.default_name},
+            )
+        except TypeError as e:  # an unknown setting
+            raise InvalidInput(f"unknown setting for compile/pipeline: {e}") from None
         example_input, example_target = program.example_batch()
-        return self.pipeline(
-            model,
-            example_input=example_input,
-            example_target=example_target,
-            loss_fn=program.loss_fn,
-            stages=len(program.stage_names),
-            split_points=[f"stages.{name}" for name in program.stage_names[1:]],
-            islands=program.islands,
-            **settings,
+        exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches)
+        request = pb.PipelineProgram(
+            model_program=exported.model,
+            loss_program=exported.loss,
+            input=spec_to_pb(exported.input),
+            target=spec_to_pb(exported.target),
+            aliases=exported.aliases,
+            config=config.to_pb(),
         )
+        reply = self._call("SubmitPipeline", request, timeout_s=600.0)
+        return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""

@@ -25,8 +25,9 @@ class _Head(nn.Module):
         return self.out(torch.relu(self.mix(torch.cat([a, b], dim=-1))))
 
 
-def _two_towers(head_island: str = "c"):
-    """Two different encoders read the same input (fan-out); a head reads both (fan-in)."""
+def _two_towers(head_island: str = "c", head_workers: int = 1):
+    """Two different encoders read the same input (fan-out); a head reads both (fan-in). With
+    ``head_workers=2`` the head is itself a pipeline of two workers, cut where ``out`` starts."""
     torch.manual_seed(0)
     tower_a = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32))
     tower_b = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.LayerNorm(16))
@@ -36,7 +37,8 @@ def _two_towers(head_island: str = "c"):
     x, y = prog.input("x", batches[0][0]), prog.input("y", batches[0][1])
     a = prog.stage(tower_a, x, island="a", name="tower_a")
     b = prog.stage(tower_b, x, island="b", name="tower_b")
-    out = prog.stage(_Head(), a, b, island=head_island, name="head")
+    split = ["out"] if head_workers > 1 else None
+    out = prog.stage(_Head(), a, b, island=head_island, name="head", stages=head_workers, split_points=split)
     prog.loss(F.cross_entropy, out, y)
     return prog, batches
 
@@ -73,6 +75,35 @@ def test_two_towers_on_three_islands_match_single_process(islands_cluster):
     with torch.no_grad():
         expected = trained(batches[0][0])
     assert torch.allclose(output, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_stage_that_is_itself_a_pipeline_matches_single_process(islands_cluster):
+    """The head runs as a pipeline of two workers of island c, cut where its ``out`` starts."""
+    prog, batches = _two_towers(head_workers=2)
+    reference_model = prog.module()
+    with islands_cluster.client() as client:
+        job = client.compile(prog, microbatches=2, schedule="1f1b")
+        try:
+            losses = [job.step(x, y) for x, y in batches]
+            state = job.state_dict()
+        finally:
+            job.close()
+    report = job.plan.report
+    assert [s["modules"][0] for s in report["stages"]] == [
+        "stages.tower_a",
+        "stages.tower_b",
+        "stages.head",
+        "stages.head.out",
+    ]
+    assert {(e["from_stage"], e["to_stage"]) for e in report["dataflow"]} >= {(0, 2), (1, 2), (2, 3)}
+    ref_losses, ref_state = train_reference(reference_model, batches, F.cross_entropy, 2, "sgd", {})
+    assert_matches_reference(losses, state, ref_losses, ref_state)
+    bad = atoll.Program()
+    x, y = bad.input("x", batches[0][0]), bad.input("y", batches[0][1])
+    out = bad.stage(_Head(), bad.stage(nn.Linear(12, 32), x), bad.stage(nn.Linear(12, 16), x), stages=2)
+    bad.loss(F.cross_entropy, out, y)
+    with pytest.raises(atoll.InvalidInput, match="stage 's2' runs on 2 workers: give its 1 split_points"):
+        bad.split_at()
 
 
 def test_island_requests_that_cannot_be_met_are_refused_whole(islands_cluster):
