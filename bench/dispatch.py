@@ -14,7 +14,7 @@
     workers (user + system time of the controller process, from /proc), and over 64 to 1,024
     simulated workers (bench/sim_workers.py: processes that register many workers each and
     answer control calls without running stages), with the step sent directly to every worker
-    and relayed through group leaders (what "parallel" dispatch does above 16 workers). The
+    and relayed through a tree of the workers (what "parallel" dispatch does above 16 workers). The
     simulated cluster's controller asks for heartbeats every 5 s; the CPU it spends while idle
     (heartbeats, health checks) is measured first and subtracted, and reported.
 

@@ -107,6 +107,7 @@ class CompiledPipeline:
             "ranks": t.ranks,
             "virtual_stages": t.virtual_stages,
             "microbatches": t.microbatches,
+            "data_parallel": t.data_parallel,
             "num_stages": t.num_stages,
             "rematerialize": self.request.config.rematerialize,
             "device": self.request.config.device,
@@ -162,11 +163,21 @@ def microbatch_spec(full: EdgeSpec, microbatches: int) -> EdgeSpec:
 def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     cfg = req.config
     topo = Topology(
-        ranks=cfg.stages, virtual_stages=cfg.virtual_stages, microbatches=cfg.microbatches, schedule=cfg.schedule
+        ranks=cfg.stages,
+        virtual_stages=cfg.virtual_stages,
+        microbatches=cfg.microbatches,
+        schedule=cfg.schedule,
+        data_parallel=cfg.data_parallel,
     )
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
     if cfg.dispatch not in DISPATCH_MODES:
         raise InvalidInput(f"dispatch must be one of {', '.join(DISPATCH_MODES)}; got {cfg.dispatch!r}")
+    if cfg.zero not in (0, 1):
+        raise InvalidInput(f"zero must be 0 or 1 (ZeRO stage 1), got {cfg.zero}")
+    if cfg.zero and cfg.data_parallel < 2:
+        raise InvalidInput("zero=1 shards the optimizer state across data-parallel replicas: needs data_parallel > 1")
+    if cfg.data_parallel > 1 and cfg.device != "cpu":
+        raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:
@@ -178,8 +189,9 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     if cfg.transport != "auto" and cfg.transport not in TRANSPORTS:
         raise InvalidInput(f"unknown transport {cfg.transport!r} (known: auto, {', '.join(TRANSPORTS)})")
     device = analysis_device(cfg.device)
-    mb_input = microbatch_spec(req.input, cfg.microbatches)
-    mb_target = microbatch_spec(req.target, cfg.microbatches)
+    # every replica splits its 1/data_parallel of the batch into ``microbatches``
+    mb_input = microbatch_spec(req.input, cfg.microbatches * cfg.data_parallel)
+    mb_target = microbatch_spec(req.target, cfg.microbatches * cfg.data_parallel)
     split = split_model(req.model, mb_input, topo.num_stages, list(cfg.split_at), req.aliases)
     analyzed = [analyze_stage(st.index, st.program) for st in split.stages]
     infos = [info for info, _ in analyzed]
@@ -215,7 +227,14 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     timeline = simulate(lowered.actions, topo, routes)
     stage_params = {s: [p for _, p in StageGraph(analyzed[s][1]).named_parameters()] for s in range(topo.num_stages)}
     memory = memory_plan.predict(
-        topo, lowered, {s.index: s.memory for s in stages}, stage_params, cfg.optimizer, cfg.optimizer_args, routes
+        topo,
+        lowered,
+        {s.index: s.memory for s in stages},
+        stage_params,
+        cfg.optimizer,
+        cfg.optimizer_args,
+        routes,
+        zero_shards=cfg.data_parallel if cfg.zero else 1,
     )
     return CompiledPipeline(
         request=req,

@@ -10,7 +10,8 @@ Receives are posted one compute ahead of the compute that consumes them, so a tr
 the rank's previous compute (gloo only moves the data once the receive is posted); sends are
 posted right after the compute that produces them and completed before STEP. Each receive gets a
 buffer slot, allocated once at load time and reused when the previous occupant's backward is done.
-A rank holding a tied parameter runs REDUCE_GRAD just before STEP.
+A rank holding a tied parameter runs REDUCE_GRAD just before STEP; with data-parallel replicas,
+every rank then runs ALL_REDUCE_GRAD (the replicas' identical lists meet there).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def lower(schedule: Schedule, topo: Topology, routes: Routes) -> Lowered:
         first = topo.stages_of(rank)[0]
         if routes.reduces_on(rank):
             out.append(Action(first, Kind.REDUCE_GRAD))
+        if topo.data_parallel > 1:
+            out.append(Action(first, Kind.ALL_REDUCE_GRAD))
         out.append(Action(first, Kind.STEP))
         actions[rank] = out
     recv_slots, slot_owner = {}, {}

@@ -9,6 +9,7 @@ mid-backward for a recomputed forward), so prediction and measurement count the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -149,11 +150,17 @@ def predict(
     optimizer: str,
     optimizer_args: dict,
     routes: Routes,
+    zero_shards: int = 1,
 ) -> dict[int, RankMemory]:
+    """Per rank. With ZeRO-1 over ``zero_shards`` replicas, a rank's optimizer steps one shard of
+    its parameters' flat buffer (runtime/_zero.py): one tensor of ceil(elements / shards)."""
     out = {}
     for rank in range(topo.ranks):
         stages = topo.stages_of(rank)
         params = [p for s in stages for p in stage_params[s]]
+        if zero_shards > 1 and params:
+            shard = math.ceil(sum(p.numel() for p in params) / zero_shards)
+            params = [torch.empty(shard, dtype=params[0].dtype, device="meta")]
         out[rank] = predict_rank(
             lowered.actions[rank],
             {s: stage_memory[s] for s in stages},

@@ -26,6 +26,8 @@ from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
 from atoll.core.wire import (
     EdgeSpec,
+    join_rows,
+    shard_rows,
     spec_from_pb,
     spec_of_pb_tensor,
     spec_to_pb,
@@ -130,8 +132,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         return place(self.registry.live(), held, ranks, device, islands, exclusive)
 
     def _load_request(
-        self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str], groups: list[str]
+        self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str], groups: list[str], replica: int
     ) -> pb.LoadPlanRequest:
+        """Replica ``replica``'s rank ``rank``: each replica's pipeline meets in a namespace of its
+        own; each rank's replicas meet in another, for the gradient average."""
         topo, low = compiled.topology, compiled.lowered
         stages = [
             pb.StageProgram(
@@ -147,7 +151,9 @@ class ControllerService(pb_grpc.ControllerServicer):
             rank=rank,
             world_size=topo.ranks,
             store_address=f":{self.store_port}",
-            store_prefix=f"{job_id}/",
+            store_prefix=f"{job_id}/" if topo.data_parallel == 1 else f"{job_id}/r{replica}/",
+            replica=replica,
+            replica_group_prefix=f"{job_id}/dp{rank}/",
             stages=stages,
             loss_program=compiled.request.loss if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
@@ -178,21 +184,23 @@ class ControllerService(pb_grpc.ControllerServicer):
     def SubmitPipeline(self, request, context):
         with self._compile_lock:  # torch.export's (de)serializers keep global state: one compile at a time
             compiled = compile_pipeline(decode_program(request))
-        cfg = compiled.request.config
-        ticket = Ticket(cfg.name, compiled.topology.ranks, cfg.device, cfg.islands, cfg.exclusive)
+        cfg, topo = compiled.request.config, compiled.topology
+        # islands name each pipeline rank's island, the same for every replica
+        islands = cfg.islands * topo.data_parallel if len(cfg.islands) == topo.ranks else cfg.islands
+        ticket = Ticket(cfg.name, topo.workers, cfg.device, islands, cfg.exclusive)
         with self._lock:  # placement and bookkeeping are one decision
             workers = self.admission.admit(
-                ticket,
-                lambda: self._place(compiled.topology.ranks, cfg.device, cfg.islands, cfg.exclusive),
-                cfg.admission_timeout_s,
+                ticket, lambda: self._place(topo.workers, cfg.device, islands, cfg.exclusive), cfg.admission_timeout_s
             )
-            edges = edge_transports(compiled.routes, workers, compiled.request.config.transport)
-            peers = peer_transports(edges, compiled.topology.ranks)
-            # process groups are joined by every rank of the job or by none
-            groups = sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)
+            replicas = []  # per replica: (edges, peers, groups)
+            for d in range(topo.data_parallel):
+                edges = edge_transports(compiled.routes, workers[d * topo.ranks : (d + 1) * topo.ranks], cfg.transport)
+                peers = peer_transports(edges, topo.ranks)
+                # process groups are joined by every rank of the replica or by none
+                replicas.append((edges, peers, sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)))
             job_id = f"job{next(self._job_ids)}"
-            report = compiled.report({r: f"{w.worker_id} {w.address} {w.device}" for r, w in enumerate(workers)})
-            report["edges"], report["groups"] = edges, groups
+            report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
+            report["edges"], _, report["groups"] = replicas[0]
             job = Job(
                 job_id=job_id,
                 name=compiled.request.config.name or job_id,
@@ -203,10 +211,11 @@ class ControllerService(pb_grpc.ControllerServicer):
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
-        calls = [
-            Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r], groups))
-            for r, w in enumerate(workers)
-        ]
+        calls = []
+        for i, w in enumerate(workers):
+            d, r = divmod(i, topo.ranks)
+            _, peers, groups = replicas[d]
+            calls.append(Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r], groups, d)))
         try:
             self._dispatch_ordered(calls, self.load_timeout_s).replies()
         except DispatchError as e:
@@ -258,20 +267,28 @@ class ControllerService(pb_grpc.ControllerServicer):
                     self._check_batch(job.compiled.request.target, request.targets, target_refs)
                 if request.keep_outputs and mode != "forward":
                     raise InvalidInput("only a forward step keeps its output on the workers")
-                common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
-                own = {}  # the requests of the ranks that read the batch or hold the last stage
-                for r in {*readers, last}:
-                    own[r] = pb.RunStepRequest(
-                        job_id=job.job_id,
-                        step=seq - 1,
-                        inputs=request.inputs if r in readers else [],
-                        targets=request.targets if r == last else [],
-                        input_refs=input_refs if r in readers else [],
-                        target_refs=target_refs if r == last else [],
-                        keep_outputs=request.keep_outputs and r == last,
-                        mode=mode,
+                replicas = topo.data_parallel
+                if replicas > 1 and (input_refs or target_refs or request.keep_outputs):
+                    raise InvalidInput(
+                        "a data-parallel job takes and returns tensors, not remote values (not built yet)"
                     )
-                calls = [Call(w, "RunStep", own.get(r, common)) for r, w in enumerate(job.workers)]
+                common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
+                own = {}  # the requests of the workers that read the batch or hold the last stage
+                for d in range(replicas):  # each replica reads its own rows of the batch
+                    inputs = [shard_rows(t, d, replicas) for t in request.inputs]
+                    targets = [shard_rows(t, d, replicas) for t in request.targets]
+                    for r in {*readers, last}:
+                        own[topo.worker(d, r)] = pb.RunStepRequest(
+                            job_id=job.job_id,
+                            step=seq - 1,
+                            inputs=inputs if r in readers else [],
+                            targets=targets if r == last else [],
+                            input_refs=input_refs if r in readers else [],
+                            target_refs=target_refs if r == last else [],
+                            keep_outputs=request.keep_outputs and r == last,
+                            mode=mode,
+                        )
+                calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
                 # fair between jobs sharing workers (controller/fairness.py), then in gang order
                 self.gate.enter(job.job_id, job.worker_ids, job.weight)
                 try:
@@ -295,7 +312,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         if mode == "train":  # status counts training steps
             with job.order:
                 job.steps += 1
-        losses = list(replies[last].microbatch_losses)
+        lasts = [replies[topo.worker(d, last)] for d in range(topo.data_parallel)]
+        losses = [loss for reply in lasts for loss in reply.microbatch_losses]  # replica by replica
         # each worker's accounting is JSON already: joined, not parsed (a job may have many workers)
         memory = ", ".join(f'"{r}": {rep.memory_json or "{}"}' for r, rep in enumerate(replies))
         return pb.StepReply(
@@ -303,7 +321,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             microbatch_losses=losses,
             step=seq,
             memory_json="{" + memory + "}",
-            outputs=replies[last].outputs,
+            outputs=join_rows([reply.outputs for reply in lasts]),
             kept_outputs=[self._holder_ref(job.workers[last], k) for k in replies[last].kept_outputs],
         )
 
@@ -393,7 +411,9 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def GetState(self, request, context):
         job = self._ready_job(request.job_id)
-        calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in job.workers]
+        # every replica holds the same weights: replica 0's are read
+        replica0 = job.workers[: job.compiled.topology.ranks]
+        calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in replica0]
         with job.order:  # after every step the client has sent so far
             pending = self._dispatch_ordered(calls, self.step_timeout_s)
         replies = pending.replies()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll.controller.topology import Topology
-from atoll.core.actions import Action, Kind
+from atoll.core.actions import PER_STEP, Action, Kind
 from atoll.core.dataflow import Routes
 from atoll.errors import InvalidInput
 
@@ -108,7 +108,7 @@ def simulate(
 
     def blocker(rank: int, a: Action) -> str | None:
         """Why ``a`` cannot run yet, or None when it can."""
-        if a.kind not in (Kind.STEP, Kind.REDUCE_GRAD) and topo.rank_of(a.stage) != rank:
+        if a.kind not in PER_STEP and topo.rank_of(a.stage) != rank:
             return f"stage {a.stage} does not live on rank {rank}"
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
             return f"{a} is posted twice" if a in posted else None
@@ -140,6 +140,8 @@ def simulate(
                     return f"rank {peer} holds a tied parameter but runs no REDUCE_GRAD"
                 if pos[peer] < reduce_at[peer]:
                     return f"waits for rank {peer} to reach its REDUCE_GRAD"
+            return None
+        if a.kind is Kind.ALL_REDUCE_GRAD:  # with the same rank of every replica, whose lists are this one
             return None
         # STEP: every send of this rank must have been received by its peer
         for s in (x for x in actions[rank][: pos[rank]] if x.kind in (Kind.SEND_F, Kind.SEND_B)):

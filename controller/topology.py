@@ -21,11 +21,13 @@ class Topology:
     """Microbatches per step."""
     schedule: str = "gpipe"
     """One of SCHEDULE_NAMES."""
+    data_parallel: int = 1
+    """Replicas of the pipeline; replica ``d``'s rank ``r`` runs on worker ``d * ranks + r``."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULE_NAMES:
             raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULE_NAMES)})")
-        for name in ("ranks", "virtual_stages", "microbatches"):
+        for name in ("ranks", "virtual_stages", "microbatches", "data_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
@@ -40,6 +42,13 @@ class Topology:
                     f"interleaved_1f1b needs microbatches divisible by the number of rounds "
                     f"({self.rounds} = max(1, microbatches // ranks)), got {self.microbatches}"
                 )
+
+    @property
+    def workers(self) -> int:
+        return self.ranks * self.data_parallel
+
+    def worker(self, replica: int, rank: int) -> int:
+        return replica * self.ranks + rank
 
     @property
     def num_stages(self) -> int:

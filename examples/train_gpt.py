@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                  # 4 workers, 1F1B, 300 steps
     python examples/train_gpt.py --schedule gpipe --steps 50
+    python examples/train_gpt.py --data-parallel 2   # 2 replicas of a 2-stage pipeline
+    python examples/train_gpt.py --data-parallel 2 --zero   # ... with ZeRO-1
 
 Starts an embedded LocalCluster (a controller and 4 workers as subprocesses on 127.0.0.1),
 submits the model as a pipeline, trains it with a progress bar, prints the plan, the losses and
@@ -32,7 +34,11 @@ def progress(step: int, total: int, loss: float, rate: float, width: int = 30) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4, help="workers in all: stages x data-parallel replicas")
+    parser.add_argument(
+        "--data-parallel", type=int, default=1, help="replicas of the pipeline, each on workers/N workers"
+    )
+    parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard the optimizer state over the replicas")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=1)
@@ -42,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.data_parallel < 1 or args.workers % args.data_parallel:
+        parser.error(f"--data-parallel {args.data_parallel} does not divide --workers {args.workers}")
+    if args.zero and args.data_parallel < 2:
+        parser.error("--zero shards the optimizer state over data-parallel replicas: give --data-parallel 2 or more")
 
     torch.manual_seed(args.seed)
     corpus = CharCorpus()
@@ -66,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
             example_input=x,
             example_target=y,
             loss_fn=lm_loss,
-            stages=args.workers,
+            stages=args.workers // args.data_parallel,
+            data_parallel=args.data_parallel,
+            zero=int(args.zero),
             microbatches=args.microbatches,
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,
@@ -86,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "
             f"({args.steps / (time.monotonic() - t0):.1f} steps/s)"
         )
-        measured = job.last.memory
+        measured = job.last.memory  # per worker: replica d's rank r is worker d * stages + r
         for rank, predicted in sorted(job.plan.predicted_memory.items()):
             print(
                 f"  rank {rank}: predicted peak {predicted['total'] / 2**20:.2f} MiB, "

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from atoll._transport import DataPlaneError, Handle, Transport
+from atoll._zero import ZeroShard
 from atoll.core.actions import STEP_MODES, Action, Kind
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten
@@ -81,6 +82,9 @@ class _StepState:
     sent_bytes: int = 0
     received_bytes: int = 0
     """Tensor bytes this rank moved over its transports in the step (local hand-offs excluded)."""
+    all_reduced_bytes: int = 0
+    """Gradient bytes this rank put into the data-parallel all-reduce (what gloo moves for them
+    depends on its algorithm)."""
     waiting_s: float = 0.0
     """Time spent blocked on the data plane: the measured bubble plus transfer time."""
 
@@ -112,6 +116,9 @@ class PipelineExecutor:
         transport: Transport | None,
         timeout_s: float,
         device: torch.device,
+        replica: int = 0,
+        replicas: int = 1,
+        zero: bool = False,
     ):
         self.rank = rank
         self.stages = {s.index: s for s in stages}
@@ -123,13 +130,22 @@ class PipelineExecutor:
         self.actions = actions
         self.rematerialize = rematerialize
         self.transport = transport
+        self.replicas = None
+        """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
         self.timeout_s = timeout_s
         self.device = device
         self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
         self.params = [p for s in stages for _, p in s.graph.named_parameters()]
+        # ZeRO-1: the parameters move into one flat buffer; this replica's optimizer steps its shard
+        self.zero = (
+            ZeroShard(self.params, replica, replicas, optimizer, optimizer_args) if zero and self.params else None
+        )
         # a stage without parameters (an activation, a reshape) has nothing to optimize
-        self.optimizer = build_optimizer(optimizer, self.params, optimizer_args) if self.params else None
+        if self.zero is not None:
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = build_optimizer(optimizer, self.params, optimizer_args) if self.params else None
         self.recv_slots = recv_slots
         self.recv_region: torch.Tensor | None = None
         """On CUDA: one allocation holding every receive buffer, exported once to cuda_ipc peers."""
@@ -227,7 +243,9 @@ class PipelineExecutor:
                 self.failure = f"{where} failed ({kind})"
                 raise ActionFailed(f"{where} failed ({kind}): {e}") from e
             finally:
-                if self.optimizer is not None:
+                if self.zero is not None:
+                    self.zero.zero_grad()
+                elif self.optimizer is not None:
                     self.optimizer.zero_grad(set_to_none=True)
                 state.stash.clear()
                 state.pending_recvs.clear()
@@ -237,7 +255,11 @@ class PipelineExecutor:
                 "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
                 "wall_s": wall,
                 "waiting_s": state.waiting_s,
-                "data_plane_bytes": {"sent": state.sent_bytes, "received": state.received_bytes},
+                "data_plane_bytes": {
+                    "sent": state.sent_bytes,
+                    "received": state.received_bytes,
+                    "all_reduced": state.all_reduced_bytes,
+                },
             }
             if cuda:  # the allocator's view, next to the executor's own accounting
                 measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
@@ -478,12 +500,36 @@ class PipelineExecutor:
             for i, p in enumerate(copies):
                 p.grad = total if i == 0 else total.clone()
 
+    def _all_reduce_grads(self, action: Action, state: _StepState) -> None:
+        """Average every gradient of this rank over the replicas: the same parameters in the same
+        order on every replica (one plan), summed in place by one coalesced all-reduce."""
+        if self.replicas is None:
+            raise ActionFailed(f"rank {self.rank}: ALL_REDUCE_GRAD without a replica group")
+        if self.zero is not None:
+            started = time.perf_counter()
+            state.all_reduced_bytes += self.zero.reduce(self.replicas, self.timeout_s)
+            state.waiting_s += time.perf_counter() - started
+            return
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            started = time.perf_counter()
+            self.replicas.all_reduce_sum(grads).wait(self.timeout_s)
+            state.waiting_s += time.perf_counter() - started
+            for g in grads:
+                g.div_(self.replicas.world_size)
+            state.all_reduced_bytes += sum(g.nbytes for g in grads)
+
     def _optimizer_step(self, action: Action, state: _StepState) -> None:
         self._wait(state.sends, state)
         state.sends.clear()
         if self.optimizer is None:
             return
-        self.optimizer.step()
+        if self.zero is not None:
+            started = time.perf_counter()
+            self.zero.step(self.replicas, self.timeout_s)
+            state.waiting_s += time.perf_counter() - started
+        else:
+            self.optimizer.step()
         self.optimizer_bytes = storage_bytes(
             t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
         )
@@ -496,6 +542,7 @@ class PipelineExecutor:
         Kind.BACKWARD: _backward,
         Kind.SEND_B: _send_backward,
         Kind.REDUCE_GRAD: _reduce_tied,
+        Kind.ALL_REDUCE_GRAD: _all_reduce_grads,
         Kind.STEP: _optimizer_step,
     }
     """One handler per instruction kind (atoll.core.actions.Kind)."""
@@ -509,7 +556,8 @@ class PipelineExecutor:
             }
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        for group in (self.transport, self.replicas):
+            if group is not None:
+                group.close()
         self.stages.clear()
         self.slots.clear()

@@ -96,6 +96,7 @@ class GlooTransport:
         except RuntimeError as e:
             raise DataPlaneError(f"rank {rank}/{world_size} could not join the job's gloo group: {e}") from None
         self.rank = rank
+        self.world_size = world_size
         self._pinned: dict[int, torch.Tensor] = {}  # device buffer's address -> its pinned twin
         self._copied: dict[int, torch.cuda.Event] = {}  # pinned twin's address -> its last copy out
 
@@ -121,6 +122,16 @@ class GlooTransport:
         work = self._group.recv([target], peer, tag)
         handle = _GlooHandle(work, f"receive from rank {peer} (tag {tag})", target)
         return _StagedRecv(handle, target, tensor, self._copied) if tensor.is_cuda else handle
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> _GlooHandle:
+        """Sum each CPU tensor in place across the group (one coalesced collective)."""
+        work = self._group.allreduce_coalesced(tensors)
+        return _GlooHandle(work, f"all-reduce of {len(tensors)} tensors", tensors)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle:
+        """Every member's ``tensor`` into ``outputs`` (one per member, in member order)."""
+        work = self._group.allgather([outputs], [tensor])
+        return _GlooHandle(work, "all-gather", tensor)
 
     def close(self) -> None:
         self._group = None

@@ -198,6 +198,8 @@ class Client:
         admission_timeout_s: float = 0.0,
         weight: float = 1.0,
         dispatch: str = "parallel",
+        data_parallel: int = 1,
+        zero: int = 0,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -222,9 +224,16 @@ class Client:
         the request now, it waits up to ``admission_timeout_s`` in the controller's admission
         queue (arrival order), then fails with ``NotEnoughWorkers``. Busy jobs sharing workers
         get their time in proportion to ``weight``. ``dispatch`` is "parallel" (every rank at once;
-        above 16 workers relayed through group leaders, so the controller's cost per step grows
-        with the square root of the workers), or, to measure what that saves, "direct",
+        above 16 workers relayed through a tree of the job's workers, so the controller makes one
+        call per step however many workers there are), or, to measure what that saves, "direct",
         "relay" or "sequential" (each rank only once the previous one has started the step).
+
+        ``data_parallel=D`` runs D replicas of the pipeline, each on its own ``stages`` workers
+        (``stages * D`` in all): each replica takes 1/D of every batch (split into
+        ``microbatches`` of its own) and the replicas average their gradients before every
+        optimizer step, so training matches one process running all ``microbatches * D``
+        microbatches of the batch. ``zero=1`` (ZeRO stage 1) has each replica keep and step only
+        its 1/D of the optimizer state, the updated parameters then all-gathered.
         """
         program = Program()
         x, y = program.input("input", example_input), program.input("target", example_target)
@@ -246,6 +255,8 @@ class Client:
             admission_timeout_s=admission_timeout_s,
             weight=weight,
             dispatch=dispatch,
+            data_parallel=data_parallel,
+            zero=zero,
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
@@ -275,7 +286,11 @@ class Client:
         except TypeError as e:  # an unknown setting
             raise InvalidInput(f"unknown setting for compile/pipeline: {e}") from None
         example_input, example_target = program.example_batch()
-        exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches)
+        replicas = config.data_parallel
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise InvalidInput(f"data_parallel must be a positive integer, got {replicas!r}")
+        # exported at the shape of one microbatch of one replica
+        exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches * replicas)
         request = pb.PipelineProgram(
             model_program=exported.model,
             loss_program=exported.loss,

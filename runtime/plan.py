@@ -42,6 +42,7 @@ class Plan:
             f"schedule {r['schedule']}: {r['ranks']} ranks x {r['virtual_stages']} chunk(s) = "
             f"{r['num_stages']} stages, {r['microbatches']} microbatches"
             + (", rematerialized" if r["rematerialize"] else "")
+            + (f"; {r['data_parallel']} data-parallel replicas" if r["data_parallel"] > 1 else "")
         ]
         for s in r["stages"]:
             where = r["placement"].get(str(s["rank"]), f"rank {s['rank']}")
@@ -59,6 +60,10 @@ class Plan:
                 for e in r["edges"]
             ]
             lines.append("  edges: " + ", ".join(hops))
+        if r["data_parallel"] > 1 and r["placement"]:  # worker d * ranks + r runs replica d's rank r
+            for d in range(1, r["data_parallel"]):
+                where = [r["placement"].get(str(d * r["ranks"] + k), "?").split()[0] for k in range(r["ranks"])]
+                lines.append(f"  replica {d} on: {', '.join(where)}")
         if r.get("tied_parameters"):
             tied = [f"{name} on stages {','.join(map(str, stages))}" for name, stages in r["tied_parameters"].items()]
             lines.append("  tied parameters (gradients summed before each update): " + "; ".join(tied))

@@ -136,9 +136,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                 transport=None,
                 timeout_s=timeout_s,
                 device=self.device,
+                replica=request.replica,
+                replicas=config.data_parallel,
+                zero=config.zero == 1,
             )
             if request.world_size > 1:
                 executor.transport = self._connect(request, executor, timeout_s)
+            if config.data_parallel > 1:
+                executor.replicas = self._replica_group(request, config.data_parallel, timeout_s)
         except DataPlaneError as e:
             raise JobFailed(str(e)) from None
         with self._lock:
@@ -146,15 +151,30 @@ class WorkerService(pb_grpc.WorkerServicer):
         log.info("loaded job %s as rank %d (%d actions)", request.job_id, request.rank, len(actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
 
+    def _store_address(self, request: pb.LoadPlanRequest) -> str:
+        store = request.store_address
+        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
+            store = f"{self.controller_host}{store}"
+        return store
+
+    def _replica_group(self, request: pb.LoadPlanRequest, replicas: int, timeout_s: float) -> GlooTransport:
+        """The gloo group of this pipeline rank across the data-parallel replicas (gradient average)."""
+        if self.device.type != "cpu":
+            raise DataPlaneError("data parallelism runs on CPU workers only (not built for CUDA yet)")
+        if not 0 <= request.replica < replicas:
+            raise InvalidInput(f"replica {request.replica} is not one of 0..{replicas - 1}")
+        store = open_store(self._store_address(request), request.replica_group_prefix, timeout_s)
+        return GlooTransport(
+            store=store, rank=request.replica, world_size=replicas, hostname=self.host, timeout_s=timeout_s
+        )
+
     def _connect(self, request: pb.LoadPlanRequest, executor: PipelineExecutor, timeout_s: float) -> PeerTransports:
         """The transports the plan names for this rank's edges, one per peer rank.
 
         gloo and NCCL are process groups, joined by all ranks or none: every rank joins those the
         plan lists in ``groups`` (any edge of the job uses them), even with no edge of its own on
         them. CUDA IPC is set up only between the ranks whose edges use it."""
-        store = request.store_address
-        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
-            store = f"{self.controller_host}{store}"
+        store = self._store_address(request)
         peers = {p: name for p, name in enumerate(request.peer_transports) if name}
         by_name: dict[str, object] = {}
         try:

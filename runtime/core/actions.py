@@ -25,10 +25,12 @@ class Kind(str, enum.Enum):
     STEP = "STEP"
     REDUCE_GRAD = "REDUCE_GRAD"
     """Sum the gradients of tied parameters across the stages holding them (before STEP)."""
+    ALL_REDUCE_GRAD = "ALL_REDUCE_GRAD"
+    """Average every gradient of the rank across the data-parallel replicas (before STEP)."""
 
 
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD})
-PER_STEP = frozenset({Kind.STEP, Kind.REDUCE_GRAD})
+PER_STEP = frozenset({Kind.STEP, Kind.REDUCE_GRAD, Kind.ALL_REDUCE_GRAD})
 """Kinds that run once per step and so carry no microbatch."""
 
 # What a step runs of the plan's action list, by mode: training runs all of it; evaluation and
@@ -37,7 +39,7 @@ FORWARD_ONLY = frozenset({Kind.RECV_F, Kind.FORWARD, Kind.SEND_F})
 STEP_MODES: dict[str, frozenset[Kind] | None] = {"train": None, "evaluate": FORWARD_ONLY, "forward": FORWARD_ONLY}
 
 # Longest alternatives first so "SEND_F" is not read as "S" + garbage.
-_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|REDUCE_GRAD|STEP|F|B)(\d*)$")
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|ALL_REDUCE_GRAD|REDUCE_GRAD|STEP|F|B)(\d*)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,9 @@ class Action:
         stage, kind, mb = match.groups()
         kind = Kind(kind)
         if (kind in PER_STEP) != (mb == ""):
-            raise ValueError(f"not an action: {text!r} (STEP and REDUCE_GRAD take no microbatch, others need one)")
+            raise ValueError(
+                f"not an action: {text!r} (STEP, REDUCE_GRAD and ALL_REDUCE_GRAD take no microbatch, others need one)"
+            )
         return Action(int(stage), kind, int(mb) if mb else None)
 
     def to_pb(self) -> pb.Instruction:

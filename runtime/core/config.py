@@ -53,9 +53,15 @@ class JobConfig:
     """Share of shared workers' time against other busy jobs (controller/fairness.py)."""
     dispatch: str = "parallel"
     """"parallel": a step goes to all its workers at once, directly up to 16 workers and relayed
-    through group leaders above (controller/dispatch.py); "direct" or "relay" force one of the
+    through a tree of the job's workers above (controller/dispatch.py); "direct" or "relay" force one of the
     two; "sequential": each rank only once the previous one has started its step. All but
     "parallel" exist to measure what it saves."""
+    data_parallel: int = 1
+    """Replicas of the whole pipeline, each on its own ``stages`` workers, each given 1/data_parallel
+    of every batch; gradients are averaged across them before the optimizer step."""
+    zero: int = 0
+    """1: ZeRO stage 1, each replica keeps and steps 1/data_parallel of the optimizer state, and the
+    updated parameters are all-gathered (runtime/_zero.py); 0: every replica steps everything."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()

@@ -151,3 +151,26 @@ def tensor_from_pb(msg: pb.TensorData, what: str = "tensor") -> torch.Tensor:
 
 def spec_of_pb_tensor(msg: pb.TensorData) -> TensorSpec:
     return TensorSpec(tuple(msg.shape), msg.dtype)
+
+
+def shard_rows(msg: pb.TensorData, index: int, parts: int) -> pb.TensorData:
+    """Rows ``index``/``parts`` of a tensor's first dimension, cut from its bytes (C order keeps
+    each row's bytes together); ``msg`` itself when ``parts`` is 1."""
+    if parts == 1:
+        return msg
+    rows = msg.shape[0] // parts
+    row_bytes = len(msg.data) // msg.shape[0]
+    data = msg.data[index * rows * row_bytes : (index + 1) * rows * row_bytes]
+    return pb.TensorData(dtype=msg.dtype, shape=[rows, *msg.shape[1:]], data=data)
+
+
+def join_rows(parts: list) -> list[pb.TensorData]:
+    """The inverse of ``shard_rows``, per tensor: each list of ``parts`` holds the same tensors."""
+    if len(parts) == 1:
+        return list(parts[0])
+    return [
+        pb.TensorData(
+            dtype=ts[0].dtype, shape=[sum(t.shape[0] for t in ts), *ts[0].shape[1:]], data=b"".join(t.data for t in ts)
+        )
+        for ts in zip(*parts)
+    ]

@@ -1,0 +1,109 @@
+"""Data parallelism: D replicas of a pipeline, each on its own workers and 1/D of each batch, with
+gradients averaged before every optimizer step, against one process running all D x M
+microbatches (tests.reference.RTOL = 1e-5 relative)."""
+
+import pytest
+import torch
+
+import atoll
+from tests import models
+from tests.reference import assert_matches_reference, train_reference
+
+OPTIMIZERS = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-3, "weight_decay": 0.01}}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "make_model, stages, zero",
+    [
+        (models.mlp, 1, 0),
+        (models.mlp, 2, 0),
+        (models.transformer, 2, 0),
+        (models.mlp, 2, 1),
+        (models.transformer, 2, 1),
+    ],
+    ids=["dp2", "pp2xdp2", "gpt-pp2xdp2", "pp2xdp2-zero1", "gpt-pp2xdp2-zero1"],
+)
+def test_data_parallel_replicas_match_single_process(client4, make_model, stages, zero, optimizer):
+    model, batches, loss_fn = make_model()
+    x, y = batches[0]
+    args = OPTIMIZERS[optimizer]
+    job = client4.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=loss_fn,
+        stages=stages,
+        microbatches=2,
+        schedule="1f1b",
+        optimizer=optimizer,
+        optimizer_args=args,
+        data_parallel=2,
+        zero=zero,
+    )
+    try:
+        results = [job.step_async(x, y).details() for x, y in batches]
+        state = job.state_dict()
+        output = job.forward(batches[0][0])
+        workers = next(j for j in client4.status().jobs if j.job_id == job.id).workers
+    finally:
+        job.close()
+    assert len(workers) == 2 * stages and len(set(workers)) == 2 * stages  # a worker per replica and rank
+    assert job.plan.report["data_parallel"] == 2
+    # each replica reports its 2 microbatches: 4 per step, in the batch's order
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, optimizer, args)
+    assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
+    predicted = job.plan.predicted_memory  # per pipeline rank, the same for every replica
+    for r in results:
+        assert len(r.microbatch_losses) == 4
+        assert all(r.memory[w]["data_plane_bytes"]["all_reduced"] > 0 for w in range(2 * stages))
+    for w in range(2 * stages):  # worker w runs rank w % stages of replica w // stages
+        # from the second step on, when the optimizer state exists
+        measured, expected = results[-1].memory[w]["peak"]["total"], predicted[w % stages]["total"]
+        assert abs(measured - expected) <= 0.1 * expected, (w, measured, expected)
+    reference = make_model()[0]
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        expected = reference(batches[0][0])
+    assert torch.allclose(output, expected, rtol=1e-5, atol=1e-6)  # replica 0's rows, then replica 1's
+
+
+def test_zero1_keeps_half_the_optimizer_state_per_replica(client4):
+    """With 2 replicas, ZeRO-1's optimizer state per worker is 1/2 of plain data parallelism's
+    (AdamW: two moments per element), as the workers count it and as the plan predicts."""
+    optimizer_bytes = {}
+    for zero in (0, 1):
+        model, batches, loss_fn = models.transformer()
+        x, y = batches[0]
+        job = client4.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2,
+            optimizer="adamw", data_parallel=2, zero=zero,
+        )  # fmt: skip
+        try:
+            for x, y in batches[:2]:  # the optimizer state exists from the first update on
+                job.step(x, y)
+            measured = {w: m["peak"]["optimizer"] for w, m in job.last.memory.items()}
+            predicted = {r: m["optimizer"] for r, m in job.plan.predicted_memory.items()}
+        finally:
+            job.close()
+        assert measured == {w: predicted[w % 2] for w in range(4)}
+        optimizer_bytes[zero] = measured
+    for w in range(4):
+        assert abs(optimizer_bytes[1][w] / optimizer_bytes[0][w] - 0.5) <= 0.05 * 0.5, (w, optimizer_bytes)
+
+
+def test_bad_data_parallel_layouts_are_refused_before_loading(client4):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]  # 32 rows
+    args = dict(example_input=x, example_target=y, loss_fn=loss_fn)
+    with pytest.raises(atoll.InvalidInput, match="data_parallel must be a positive integer, got 0"):
+        client4.pipeline(model, stages=1, microbatches=2, data_parallel=0, **args)
+    with pytest.raises(atoll.InvalidInput, match="not divisible into 64 microbatches"):
+        client4.pipeline(model, stages=1, microbatches=32, data_parallel=2, **args)
+    with pytest.raises(atoll.NotEnoughWorkers, match="needs 6 workers"):
+        client4.pipeline(model, stages=3, microbatches=2, data_parallel=2, **args)
+    with pytest.raises(atoll.InvalidInput, match="zero=1 shards .*: needs data_parallel > 1"):
+        client4.pipeline(model, stages=2, microbatches=2, zero=1, **args)
+    with pytest.raises(atoll.InvalidInput, match="zero must be 0 or 1"):
+        client4.pipeline(model, stages=1, microbatches=2, data_parallel=2, zero=3, **args)
+    assert all(not w.jobs for w in client4.status().workers)
