@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll.controller import communication as communication_plan
 from atoll.controller import memory_plan
 from atoll.controller.lowering import Lowered, lower
 from atoll.controller.program import StageInfo, analyze_loss, analyze_stage
@@ -96,6 +97,8 @@ class CompiledPipeline:
     lowered: Lowered
     timeline: Timeline
     memory: dict[int, memory_plan.RankMemory]
+    communication: dict[int, dict[str, int]]
+    """Per rank: the bytes one training step moves (controller/communication.py)."""
     microbatch_input: EdgeSpec
     microbatch_target: EdgeSpec
 
@@ -142,6 +145,7 @@ class CompiledPipeline:
             "actions": {str(r): [str(a) for a in acts] for r, acts in self.lowered.actions.items()},
             "grid": self.timeline.grid(),
             "predicted_bubble_fraction": self.timeline.bubble_fraction,
+            "predicted_communication": {str(r): c for r, c in self.communication.items()},
             "predicted_memory": {
                 str(r): {**m.peak.as_dict(), "peak_stashed_microbatches": m.peak_stashed_microbatches}
                 for r, m in self.memory.items()
@@ -236,6 +240,16 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         routes,
         zero_shards=cfg.data_parallel if cfg.zero else 1,
     )
+    communication = {
+        r: communication_plan.predict_rank(
+            lowered.actions[r],
+            routes,
+            r,
+            [p for s in topo.stages_of(r) for p in stage_params[s]],
+            cfg.data_parallel if cfg.zero else 1,
+        )
+        for r in range(topo.ranks)
+    }
     return CompiledPipeline(
         request=req,
         topology=topo,
@@ -246,6 +260,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         lowered=lowered,
         timeline=timeline,
         memory=memory,
+        communication=communication,
         microbatch_input=mb_input,
         microbatch_target=mb_target,
     )

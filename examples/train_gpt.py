@@ -100,9 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         measured = job.last.memory  # per worker: replica d's rank r is worker d * stages + r
         for rank, predicted in sorted(job.plan.predicted_memory.items()):
+            moved, expected = measured[rank]["data_plane_bytes"], job.plan.predicted_communication[rank]
             print(
                 f"  rank {rank}: predicted peak {predicted['total'] / 2**20:.2f} MiB, "
-                f"measured {measured[rank]['peak']['total'] / 2**20:.2f} MiB"
+                f"measured {measured[rank]['peak']['total'] / 2**20:.2f} MiB; bytes sent/received/all-reduced "
+                f"predicted {expected['sent']}/{expected['received']}/{expected['all_reduced']}, "
+                f"measured {moved['sent']}/{moved['received']}/{moved['all_reduced']}"
             )
         model.load_state_dict(job.state_dict())
         job.close()

@@ -20,7 +20,7 @@ from atoll.controller.service import decode_program
 from atoll.errors import InvalidInput
 from atoll.plan import Plan
 
-_OVERRIDES = ("stages", "microbatches", "schedule", "virtual_stages")
+_OVERRIDES = ("stages", "microbatches", "schedule", "virtual_stages", "data_parallel", "zero")
 
 
 class _PlanOnlyClient(Client):

@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--schedule", default=None)
     p.add_argument("--virtual-stages", type=int, default=None)
+    p.add_argument("--data-parallel", type=int, default=None, help="replicas of the pipeline (workers = stages x N)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1], help="1: ZeRO-1 over the replicas")
     p.add_argument("--rematerialize", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)

@@ -28,6 +28,12 @@ class Plan:
         return {int(r): m for r, m in self.report["predicted_memory"].items()}
 
     @property
+    def predicted_communication(self) -> dict[int, dict[str, int]]:
+        """Per rank: bytes one training step sends, receives and puts into the gradient all-reduce,
+        counted as the workers count their ``data_plane_bytes``."""
+        return {int(r): c for r, c in self.report["predicted_communication"].items()}
+
+    @property
     def grid(self) -> list[list[str]]:
         return self.report["grid"]
 
@@ -78,6 +84,9 @@ class Plan:
                 f"{_mib(m['activations'])} {_mib(m['buffers'])} = {_mib(m['total'])} "
                 f"({m['peak_stashed_microbatches']})"
             )
+        lines.append("predicted bytes per training step and rank: sent / received / all-reduced")
+        for rank, c in sorted(self.predicted_communication.items()):
+            lines.append(f"  rank {rank}: {c['sent']} / {c['received']} / {c['all_reduced']}")
         return "\n".join(lines)
 
     __str__ = render

@@ -54,9 +54,12 @@ def test_data_parallel_replicas_match_single_process(client4, make_model, stages
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, optimizer, args)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
     predicted = job.plan.predicted_memory  # per pipeline rank, the same for every replica
+    moved = job.plan.predicted_communication
     for r in results:
         assert len(r.microbatch_losses) == 4
-        assert all(r.memory[w]["data_plane_bytes"]["all_reduced"] > 0 for w in range(2 * stages))
+        for w in range(2 * stages):
+            assert r.memory[w]["data_plane_bytes"] == moved[w % stages]
+            assert moved[w % stages]["all_reduced"] > 0
     for w in range(2 * stages):  # worker w runs rank w % stages of replica w // stages
         # from the second step on, when the optimizer state exists
         measured, expected = results[-1].memory[w]["peak"]["total"], predicted[w % stages]["total"]

@@ -15,6 +15,13 @@ def _dataflow(job) -> list[tuple]:
     return [(e["from_stage"], e["to_stage"], e["kind"], e["skip"]) for e in job.plan.report["dataflow"]]
 
 
+def assert_moved_as_predicted(job):
+    """Every rank's measured bytes of the last training step are the plan's prediction."""
+    measured = {r: m["data_plane_bytes"] for r, m in job.last.memory.items()}
+    assert measured == job.plan.predicted_communication, (measured, job.plan.predicted_communication)
+    assert any(c["sent"] for c in measured.values())
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("split", ["auto", "names"])
 def test_residual_across_two_boundaries_matches_single_process(client4, split, optimizer):
@@ -40,6 +47,7 @@ def test_residual_across_two_boundaries_matches_single_process(client4, split, o
     if split == "names":
         assert [s["modules"][0] for s in job.plan.report["stages"][1:]] == ["blocks.1", "blocks.3"]
     assert "(skip)" in job.plan.render()
+    assert_moved_as_predicted(job)  # the skip edge's bytes leave stage 0 once, arrive at stage 2 once
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, optimizer, OPTIMIZERS[optimizer])
     assert_matches_reference(losses, state, ref_losses, ref_state)
     assert any("running_mean" in k for k in state)  # BatchNorm's buffers came back, trained
@@ -69,6 +77,7 @@ def test_tied_embedding_and_head_match_single_process(client4, optimizer):
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, optimizer, OPTIMIZERS[optimizer])
     assert_matches_reference(losses, state, ref_losses, ref_state)
     assert state["head.weight"].equal(state["embed.weight"])
+    assert_moved_as_predicted(job)  # tied gradients included
 
 
 @pytest.mark.parametrize("stages", [1, 2])

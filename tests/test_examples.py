@@ -49,3 +49,15 @@ def test_atoll_plan_prints_the_plan_without_a_cluster():
         timeout=180,
     ).stdout
     assert "schedule 1f1b" in text and "rank 3:" in text and "predicted peak MiB per rank" in text
+    assert "predicted bytes per training step" in text
+    layout = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", "--stages", "2", "--data-parallel", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    ).stdout
+    assert "2 ranks x 1 chunk(s)" in layout and "2 data-parallel replicas" in layout, layout
+    rows = [line for line in layout.splitlines() if line.startswith("  rank ") and "/" in line]
+    all_reduced = [int(row.rsplit("/", 1)[1]) for row in rows]
+    assert len(all_reduced) == 2 and all(n > 0 for n in all_reduced)  # each rank's gradients, averaged
