@@ -143,3 +143,17 @@ def submit(client, make=mlp, seed: int = 0, **pipeline_args):
     x, y = batches[0]
     job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, **pipeline_args)
     return job, model, batches, loss_fn
+
+
+def hf_gpt2(transformers, batch: int = 8):
+    """GPT-2 from transformers, tiny and randomly initialized (no dropout), returning logits only;
+    and three batches of ``batch`` x 16 tokens."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    model = LogitsOnly(transformers.GPT2LMHeadModel(config))
+    g = torch.Generator().manual_seed(1)
+    tokens = lambda: torch.randint(0, 64, (batch, 16), generator=g)  # noqa: E731
+    return model, [(tokens(), tokens()) for _ in range(3)]

@@ -71,6 +71,30 @@ def test_data_parallel_replicas_match_single_process(client4, make_model, stages
     assert torch.allclose(output, expected, rtol=1e-5, atol=1e-6)  # replica 0's rows, then replica 1's
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_hugging_face_gpt2_on_two_stages_and_two_replicas_matches_single_process(client4, zero):
+    """GPT-2 from transformers, its embedding tied to the LM head across the two stages: the tied
+    gradients are summed within each replica, then averaged across replicas. SGD, as in
+    tests/test_dataflow.py (Adam turns the attention key bias's rounding noise into steps)."""
+    model, batches = models.hf_gpt2(pytest.importorskip("transformers"))
+    x, y = batches[0]
+    args = OPTIMIZERS["sgd"]
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=2, microbatches=2,
+        schedule="1f1b", optimizer="sgd", optimizer_args=args, data_parallel=2, zero=zero,
+    )  # fmt: skip
+    try:
+        losses = [job.step(x, y) for x, y in batches]
+        state = job.state_dict()
+        moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
+    finally:
+        job.close()
+    assert job.plan.report["tied_parameters"] == {"lm.transformer.wte.weight": [0, 1]}
+    assert moved == {w: job.plan.predicted_communication[w % 2] for w in range(4)}
+    ref_losses, ref_state = train_reference(model, batches, models.lm_loss, 4, "sgd", args)
+    assert_matches_reference(losses, state, ref_losses, ref_state)
+
+
 def test_zero1_keeps_half_the_optimizer_state_per_replica(client4):
     """With 2 replicas, ZeRO-1's optimizer state per worker is 1/2 of plain data parallelism's
     (AdamW: two moments per element), as the workers count it and as the plan predicts."""

@@ -138,16 +138,7 @@ def test_hugging_face_causal_lm_matches_single_process(client4):
     """GPT-2 from transformers, random init, unmodified; the wrapper only returns the logits. Its
     token embedding is tied to the LM head, and the causal mask built in stage 0 is used by every
     block, so it travels to each later stage directly."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )  # fmt: skip
-    model = models.LogitsOnly(transformers.GPT2LMHeadModel(config))
-    g = torch.Generator().manual_seed(1)
-    tokens = lambda: torch.randint(0, 64, (8, 16), generator=g)  # noqa: E731
-    batches = [(tokens(), tokens()) for _ in range(3)]
+    model, batches = models.hf_gpt2(pytest.importorskip("transformers"))
     # SGD: the key bias of attention gets a zero gradient in exact arithmetic (softmax ignores a
     # constant shift), so in floating point it gets rounding noise, which Adam's normalization
     # would turn into full-size steps whose sign depends on summation order (in one process too)

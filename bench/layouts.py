@@ -1,0 +1,203 @@
+"""Benchmark: the GPT example on 8 CPU workers under each parallel layout atoll builds, with the
+bytes each step moves, next to torch.distributed.pipelining (pipeline only) and DDP (data
+parallel only) on the same model, batch and process count. Prints one JSON object.
+
+    python bench/layouts.py [--steps 6] [--rounds 2]
+
+Layouts (pipeline x data, ZeRO-1 or not): 8x1, 4x2, 2x4, 1x8, 1x8 with ZeRO-1, 2x4 with
+ZeRO-1. Every layout trains 8 microbatches of 4 rows per step (each replica takes 8/D of them)
+with SGD, so all do the same arithmetic. Tensor and sequence parallelism are not built, so their
+layouts are absent. Bytes are atoll's own per-step counts (``data_plane_bytes``, equal to the
+plan's prediction): point-to-point bytes sent, and gradient bytes put into all-reduces; for DDP
+the gradient bytes it all-reduces (every parameter, once a step) are given the same way.
+
+The machine this was written on has 2 cores for 8 workers: the figures compare layouts and
+runtimes under that contention, not the layouts' speed on real hardware. atoll and its peer are
+measured in alternating rounds while both stay up; nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipeline import TorchSide, make_setup, median  # noqa: E402
+
+import atoll  # noqa: E402
+from examples.gpt import lm_loss  # noqa: E402
+
+WORKERS = 8
+MICROBATCHES = 8
+LAYOUTS = [(8, 1, 0), (4, 2, 0), (2, 4, 0), (1, 8, 0), (1, 8, 1), (2, 4, 1)]
+
+
+def _ddp_rank(rank, world, port, args, go, results):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    model, batches = make_setup(args)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    rows = args.batch // world
+    index = 0
+
+    def step() -> float:
+        nonlocal index
+        x, y = batches[index % len(batches)]
+        index += 1
+        loss = lm_loss(ddp(x[rank * rows : (rank + 1) * rows]), y[rank * rows : (rank + 1) * rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    results.put("ready")
+    while (steps := go[rank].get()) > 0:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        dist.barrier()
+        if rank == 0:
+            results.put((steps / (time.perf_counter() - start), loss))
+    dist.destroy_process_group()
+
+
+class DdpSide(TorchSide):
+    """DDP on 8 processes (gloo), each on its 1/8 of every batch: the DP-only peer."""
+
+    def __init__(self, args):
+        ctx = mp.get_context("spawn")
+        self.go = [ctx.Queue() for _ in range(WORKERS)]
+        self.results = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.procs = [
+            ctx.Process(target=_ddp_rank, args=(r, WORKERS, port, args, self.go, self.results)) for r in range(WORKERS)
+        ]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            assert self.results.get(timeout=600) == "ready"
+
+
+def measure_atoll(client, model, batches, args, pipeline: int, data: int, zero: int):
+    x, y = batches[0]
+    job = client.pipeline(
+        model,
+        example_input=x,
+        example_target=y,
+        loss_fn=lm_loss,
+        stages=pipeline,
+        microbatches=MICROBATCHES // data,
+        schedule="1f1b",
+        optimizer="sgd",
+        optimizer_args={"lr": 0.01},
+        data_parallel=data,
+        zero=zero,
+    )
+    step = 0
+
+    def run(steps: int) -> tuple[float, float]:
+        nonlocal step
+        start = time.perf_counter()
+        futures = [job.step_async(*batches[(step + i) % len(batches)]) for i in range(steps)]
+        step += steps
+        loss = [f.result() for f in futures][-1]
+        return steps / (time.perf_counter() - start), loss
+
+    run(args.warmup)
+    return job, run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating atoll/peer rounds per layout")
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    # the settings bench/pipeline.py's helpers read: the GPT example with 6 layers (8 blocks)
+    args.layers, args.d_model, args.heads, args.block_size, args.dtype = 6, 64, 4, 64, "float32"
+    args.batch, args.threads, args.microbatches, args.ranks = 32, 1, MICROBATCHES, WORKERS
+    model, batches = make_setup(args)
+    tokens = args.batch * args.block_size
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    with atoll.LocalCluster(workers=WORKERS, threads_per_worker=1) as cluster, cluster.client() as client:
+        for pipeline, data, zero in LAYOUTS:
+            job, run = measure_atoll(client, model, batches, args, pipeline, data, zero)
+            peer, peer_name = None, None
+            if data == 1:
+                stage_blocks = [[int(b) for b in s["modules"]] for s in job.plan.report["stages"]]
+                peer, peer_name = TorchSide(args, "1f1b", 1, stage_blocks), "torch.distributed.pipelining 1F1B"
+            elif pipeline == 1 and not zero:
+                peer, peer_name = DdpSide(args), "DDP"
+            ours, theirs = [], []
+            for _ in range(args.rounds):
+                ours.append(run(args.steps)[0])
+                if peer is not None:
+                    theirs.append(peer.run(args.steps)[0])
+            moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
+            row = {
+                "layout": f"pp{pipeline} x dp{data}" + (" zero1" if zero else ""),
+                "atoll_tokens_per_s": round(median(ours) * tokens),
+                "bytes_per_step": {
+                    "sent_total": sum(m["sent"] for m in moved.values()),
+                    "all_reduced_total": sum(m["all_reduced"] for m in moved.values()),
+                    "max_sent_one_worker": max(m["sent"] for m in moved.values()),
+                    "equals_prediction": all(
+                        m == job.plan.predicted_communication[w % pipeline] for w, m in moved.items()
+                    ),
+                },
+            }
+            if peer is not None:
+                row["peer"] = peer_name
+                row["peer_tokens_per_s"] = round(median(theirs) * tokens)
+                row["ratio_atoll_over_peer"] = round(median(ours) / median(theirs), 2)
+                if peer_name == "DDP":
+                    row["peer_all_reduced_total"] = params * WORKERS
+                peer.close()
+            job.close()
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    report = {
+        "benchmark": "layouts",
+        "device": "cpu",
+        "workers": WORKERS,
+        "model": f"gpt layers={args.layers} d_model={args.d_model} params={params // 4}",
+        "batch": f"{args.batch} x {args.block_size} tokens, {MICROBATCHES} microbatches",
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "not_built": ["tensor parallelism", "sequence parallelism"],
+        "rows": rows,
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
