@@ -8,6 +8,7 @@ action's position in the rank x time grid when anything goes wrong.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
+from atoll._buckets import GradBuckets
 from atoll._transport import DataPlaneError, Handle, Transport
 from atoll._zero import ZeroShard
 from atoll.core.actions import STEP_MODES, Action, Kind
@@ -132,6 +134,9 @@ class PipelineExecutor:
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
+        self.buckets: GradBuckets | None = None
+        """Without ZeRO: the gradient all-reduces started during each stage's last backward."""
+        self._last_backward = {a.stage: a.microbatch for a in actions if a.kind is Kind.BACKWARD}
         self.timeout_s = timeout_s
         self.device = device
         self.last_stage = self.flow.num_stages - 1
@@ -171,6 +176,14 @@ class PipelineExecutor:
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
 
     # ------------------------------------------------------------------ load time
+
+    def use_replicas(self, group) -> None:
+        """Join the data-parallel replicas through ``group`` (gradients averaged each step)."""
+        self.replicas = group
+        if self.zero is None:
+            tied = {id(p) for copies in self.tied.values() for p in copies}
+            by_stage = {s: [p for _, p in st.graph.named_parameters()] for s, st in self.stages.items()}
+            self.buckets = GradBuckets(by_stage, tied, group, self.timeout_s)
 
     def _slot_specs(self, recv_slots: dict[Action, int]) -> dict[int, list[TensorSpec]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
@@ -241,6 +254,8 @@ class PipelineExecutor:
                 where = f"rank {self.rank}, action #{position} '{action}'" if action else f"rank {self.rank}"
                 kind = "data plane" if isinstance(e, DataPlaneError) else type(e).__name__
                 self.failure = f"{where} failed ({kind})"
+                if self.buckets is not None:
+                    self.buckets.reset()
                 raise ActionFailed(f"{where} failed ({kind}): {e}") from e
             finally:
                 if self.zero is not None:
@@ -453,13 +468,15 @@ class PipelineExecutor:
             recomputed = counter.nbytes
             state.activation_bytes += recomputed
             self._observe(state)
-        if s == self.last_stage:
-            torch.autograd.backward(outputs[0] / self.microbatches)
-        else:
-            pairs = [(outputs[i], g) for i, g in sorted(self._output_grads(action, state).items())]
-            pairs = [(o, g) for o, g in pairs if o.requires_grad]
-            if pairs:  # an integer-only edge sends no gradient back
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        final = self.buckets is not None and self._last_backward.get(s) == m
+        with self.buckets.last_backward(s) if final else contextlib.nullcontext():
+            if s == self.last_stage:
+                torch.autograd.backward(outputs[0] / self.microbatches)
+            else:
+                pairs = [(outputs[i], g) for i, g in sorted(self._output_grads(action, state).items())]
+                pairs = [(o, g) for o, g in pairs if o.requires_grad]
+                if pairs:  # an integer-only edge sends no gradient back
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         state.activation_bytes -= stash.nbytes + recomputed
         readers = self.routes.grad_readers(s)
         if readers:
@@ -510,14 +527,9 @@ class PipelineExecutor:
             state.all_reduced_bytes += self.zero.reduce(self.replicas, self.timeout_s)
             state.waiting_s += time.perf_counter() - started
             return
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            started = time.perf_counter()
-            self.replicas.all_reduce_sum(grads).wait(self.timeout_s)
-            state.waiting_s += time.perf_counter() - started
-            for g in grads:
-                g.div_(self.replicas.world_size)
-            state.all_reduced_bytes += sum(g.nbytes for g in grads)
+        started = time.perf_counter()
+        state.all_reduced_bytes += self.buckets.finish()  # most went out during the backward
+        state.waiting_s += time.perf_counter() - started
 
     def _optimizer_step(self, action: Action, state: _StepState) -> None:
         self._wait(state.sends, state)

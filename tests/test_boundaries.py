@@ -16,6 +16,8 @@ WORKER = {
     "atoll._nccl",
     "atoll._turnstile",
     "atoll._values",
+    "atoll._buckets",
+    "atoll._zero",
 }
 # composes both sides, by design
 CLI = {"atoll.cli", "atoll._plan_cli"}
