@@ -112,6 +112,7 @@ def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
 
 
 SIM_PER_PROCESS = 128
+IDLE_WINDOW_S = 10.0  # two heartbeat intervals of the simulated cluster
 
 
 def _start_simulated(cluster: atoll.LocalCluster, workers: int) -> list[subprocess.Popen]:
@@ -140,8 +141,8 @@ def _controller_cpu_ms_per_step(job, x, pid: int, steps: int) -> dict:
     for _ in range(3):
         job.step(x, x)
     before = _cpu_seconds(pid)
-    time.sleep(3.0)
-    idle_cpu_per_s = (_cpu_seconds(pid) - before) / 3.0
+    time.sleep(IDLE_WINDOW_S)
+    idle_cpu_per_s = (_cpu_seconds(pid) - before) / IDLE_WINDOW_S
     before, start = _cpu_seconds(pid), time.perf_counter()
     futures = [job.step_async(x, x) for _ in range(steps)]
     for f in futures:

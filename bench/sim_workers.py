@@ -93,8 +93,13 @@ class SimulatedDaemon:
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
 
     def _heartbeats(self) -> None:
-        while not self._stop.wait(self._interval):
+        """Each worker's heartbeat once per interval, spread evenly over it (real workers start at
+        different times), so the controller's load from them is steady, not a burst."""
+        gap = self._interval / len(self._ids)
+        while not self._stop.is_set():
             for worker_id in self._ids:
+                if self._stop.wait(gap):
+                    return
                 try:
                     self._controller.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id), timeout_s=5.0)
                 except AtollError as e:
