@@ -5,7 +5,8 @@ parallel only) on the same model, batch and process count. Prints one JSON objec
     python bench/layouts.py [--steps 6] [--rounds 2]
 
 Layouts (pipeline x data, ZeRO-1 or not): 8x1, 4x2, 2x4, 1x8, 1x8 with ZeRO-1, 2x4 with
-ZeRO-1. Every layout trains 8 microbatches of 4 rows per step (each replica takes 8/D of them)
+ZeRO-1. Pipelines cut between whole blocks (8 blocks: embedding, 6 layers, head), the same cuts
+on both sides. Every layout trains 8 microbatches of 4 rows per step (each replica takes 8/D of them)
 with SGD, so all do the same arithmetic. Tensor and sequence parallelism are not built, so their
 layouts are absent. Bytes are atoll's own per-step counts (``data_plane_bytes``, equal to the
 plan's prediction): point-to-point bytes sent, and gradient bytes put into all-reduces; for DDP
@@ -41,6 +42,7 @@ import atoll  # noqa: E402
 from examples.gpt import lm_loss  # noqa: E402
 
 WORKERS = 8
+BLOCKS = 8  # the GPT example with 6 layers: embedding, 6 blocks, head
 MICROBATCHES = 8
 LAYOUTS = [(8, 1, 0), (4, 2, 0), (2, 4, 0), (1, 8, 0), (1, 8, 1), (2, 4, 1)]
 
@@ -112,6 +114,7 @@ def measure_atoll(client, model, batches, args, pipeline: int, data: int, zero: 
         loss_fn=lm_loss,
         stages=pipeline,
         microbatches=MICROBATCHES // data,
+        split_points=list(range(BLOCKS // pipeline, BLOCKS, BLOCKS // pipeline)),  # whole blocks, as torch's
         schedule="1f1b",
         optimizer="sgd",
         optimizer_args={"lr": 0.01},
@@ -150,7 +153,8 @@ def main() -> None:
             job, run = measure_atoll(client, model, batches, args, pipeline, data, zero)
             peer, peer_name = None, None
             if data == 1:
-                stage_blocks = [[int(b) for b in s["modules"]] for s in job.plan.report["stages"]]
+                per = BLOCKS // pipeline
+                stage_blocks = [list(range(s * per, (s + 1) * per)) for s in range(pipeline)]
                 peer, peer_name = TorchSide(args, "1f1b", 1, stage_blocks), "torch.distributed.pipelining 1F1B"
             elif pipeline == 1 and not zero:
                 peer, peer_name = DdpSide(args), "DDP"
