@@ -15,8 +15,9 @@
     simulated workers (bench/sim_workers.py: processes that register many workers each and
     answer control calls without running stages), with the step sent directly to every worker
     and relayed through a tree of the workers (what "parallel" dispatch does above 16 workers). The
-    simulated cluster's controller asks for heartbeats every 5 s; the CPU it spends while idle
-    (heartbeats, health checks) is measured just before each run and subtracted, and reported.
+    simulated cluster's controller asks for heartbeats every 10 minutes, so that dispatch is what
+    is measured; the CPU it spends while idle is measured just before each run, subtracted, and
+    reported.
 
 Nothing here asserts on time.
 """
@@ -112,7 +113,7 @@ def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
 
 
 SIM_PER_PROCESS = 128
-IDLE_WINDOW_S = 10.0  # two heartbeat intervals of the simulated cluster
+IDLE_WINDOW_S = 5.0
 
 
 def _start_simulated(cluster: atoll.LocalCluster, workers: int) -> list[subprocess.Popen]:
@@ -160,7 +161,9 @@ def _controller_cpu_ms_per_step(job, x, pid: int, steps: int) -> dict:
 def simulated_dispatch(sizes: list[int], steps: int) -> dict:
     report: dict = {}
     with (
-        atoll.LocalCluster(workers=1, heartbeat_interval_s=5.0, heartbeat_timeout_s=120.0) as cluster,
+        # heartbeats every 10 minutes: dispatch is measured, not heartbeat handling (whose cost
+        # shows in the reported idle rate when they do come)
+        atoll.LocalCluster(workers=1, heartbeat_interval_s=600.0, heartbeat_timeout_s=3600.0) as cluster,
         cluster.client() as client,
     ):
         procs = _start_simulated(cluster, max(sizes))
