@@ -143,7 +143,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.world_size > 1:
                 executor.transport = self._connect(request, executor, timeout_s)
             if config.data_parallel > 1:
-                executor.use_replicas(self._replica_group(request, config.data_parallel, timeout_s))
+                try:
+                    executor.use_replicas(self._replica_group(request, config.data_parallel, timeout_s))
+                except Exception:
+                    executor.close()  # the pipeline's groups, joined just before
+                    raise
         except DataPlaneError as e:
             raise JobFailed(str(e)) from None
         with self._lock:
