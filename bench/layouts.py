@@ -24,14 +24,12 @@ import datetime
 import json
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -90,19 +88,7 @@ class DdpSide(TorchSide):
     """DDP on 8 processes (gloo), each on its 1/8 of every batch: the DP-only peer."""
 
     def __init__(self, args):
-        ctx = mp.get_context("spawn")
-        self.go = [ctx.Queue() for _ in range(WORKERS)]
-        self.results = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.procs = [
-            ctx.Process(target=_ddp_rank, args=(r, WORKERS, port, args, self.go, self.results)) for r in range(WORKERS)
-        ]
-        for p in self.procs:
-            p.start()
-        for _ in self.procs:
-            assert self.results.get(timeout=600) == "ready"
+        self._start(_ddp_rank, WORKERS, (args,))
 
 
 def measure_atoll(client, model, batches, args, pipeline: int, data: int, zero: int):

@@ -157,18 +157,18 @@ class TorchSide:
     """torch.distributed.pipelining ranks in their own processes, run a round at a time on request."""
 
     def __init__(self, args, schedule: str, virtual: int, stage_blocks):
+        self._start(_torch_rank, args.ranks, (args, schedule, virtual, stage_blocks))
+
+    def _start(self, target, world: int, settings: tuple) -> None:
+        """``world`` processes running ``target(rank, world, port, *settings, go, results)``."""
         ctx = mp.get_context("spawn")
-        self.go = [ctx.Queue() for _ in range(args.ranks)]
+        self.go = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.procs = [
-            ctx.Process(
-                target=_torch_rank,
-                args=(r, args.ranks, port, args, schedule, virtual, stage_blocks, self.go, self.results),
-            )
-            for r in range(args.ranks)
+            ctx.Process(target=target, args=(r, world, port, *settings, self.go, self.results)) for r in range(world)
         ]
         for p in self.procs:
             p.start()

@@ -15,14 +15,14 @@ children per worker, in rank order, preorder), and every worker relays to its ch
 from __future__ import annotations
 
 import collections
-import threading
+import functools
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import grpc
 
 from atoll._grpc import AsyncCalls
-from atoll._relay import RELAY_MARGIN_S
+from atoll._relay import RELAY_MARGIN_S, in_thread
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.registry import WorkerRecord
@@ -52,7 +52,8 @@ class DispatchError(AtollError):
         self.code = error.code
 
 
-def relay_tree(workers: int, fanout: int = RELAY_FANOUT) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def relay_tree(workers: int, fanout: int = RELAY_FANOUT) -> tuple[int, ...]:
     """Subtree sizes of a tree over ranks 0..workers-1 in preorder (rank order): rank 0 is the
     root, and the ranks after a worker are split into at most ``fanout`` contiguous subtrees of
     near-equal size."""
@@ -67,7 +68,7 @@ def relay_tree(workers: int, fanout: int = RELAY_FANOUT) -> list[int]:
             part = rest // k + (i < rest % k)
             todo.append((pos, part))
             pos += part
-    return sizes
+    return tuple(sizes)  # cached: a job's every step uses the same tree
 
 
 class Pending:
@@ -162,14 +163,13 @@ class Dispatcher:
         futures: list[Future] = []
         for call, request in zip(calls, _requests(calls)):
             stream = call.worker.endpoint.stream(f"{call.method}Stream", request, timeout_s)
-            answered: Future = Future()
-            futures.append(answered)
             try:
                 next(stream)
             except AtollError as e:
-                answered.set_exception(e)
+                futures.append(Future())
+                futures[-1].set_exception(e)
                 continue  # the later calls still go: their gang positions are taken
-            _finish_in_background(stream, answered)
+            futures.append(in_thread(lambda s: next(s).reply, stream))
         return Pending(calls, futures)
 
     def each(self, calls: list[Call], timeout_s: float) -> list[AtollError | object]:
@@ -179,13 +179,3 @@ class Dispatcher:
 
     def close(self) -> None:
         self._calls.close()
-
-
-def _finish_in_background(stream, answered: Future) -> None:
-    def finish() -> None:
-        try:
-            answered.set_result(next(stream).reply)
-        except BaseException as e:  # noqa: BLE001 - the step's failure is its result
-            answered.set_exception(e)
-
-    threading.Thread(target=finish, name="sequential-step", daemon=True).start()

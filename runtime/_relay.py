@@ -45,7 +45,7 @@ def children(members) -> list[tuple[int, int]]:
     return spans
 
 
-def _in_thread(fn: Callable, arg) -> Future:
+def in_thread(fn: Callable, arg) -> Future:
     """Run ``fn(arg)`` in a thread of its own: a bounded pool could fill with steps waiting for
     their gang turn behind one that has no thread yet."""
     future: Future = Future()
@@ -97,7 +97,7 @@ class Relay:
             raise InvalidInput(f"malformed step group: {e}") from None
         if group.timeout_s <= 0:
             raise InvalidInput("a step group needs a positive timeout_s")
-        futures = [_in_thread(self._run_own, member_request(group, group.members[0]))]
+        futures = [in_thread(self._run_own, member_request(group, group.members[0]))]
         for start, size in spans:
             head = group.members[start]
             if size == 1:
