@@ -21,9 +21,10 @@ from atoll.controller.program import StageInfo, analyze_loss, analyze_stage
 from atoll.controller.schedules import build_schedule
 from atoll.controller.simulate import Timeline, simulate
 from atoll.controller.split import split_model
+from atoll.controller.tensor_parallel import ShardedStage, shard_stage
 from atoll.controller.topology import Topology
 from atoll.core.config import DISPATCH_MODES, JobConfig
-from atoll.core.dataflow import BATCH, Dataflow, Routes
+from atoll.core.dataflow import BATCH, Dataflow, Routes, TiedParameter
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize
 from atoll.core.optim import validate_optimizer
 from atoll.core.wire import EdgeSpec, TensorSpec
@@ -70,6 +71,10 @@ class CompiledStage:
     modules: tuple[str, ...]
     info: StageInfo
     memory: memory_plan.StageMemory
+    programs: tuple[bytes, ...]
+    """Per rank of the stage's island: its exported program (one, unsharded, without tensor parallelism)."""
+    sharding: ShardedStage | None = None
+    """How tensor parallelism cut the stage (None without it)."""
 
     @property
     def input(self) -> EdgeSpec:
@@ -101,6 +106,22 @@ class CompiledPipeline:
     """Per rank: the bytes one training step moves (controller/communication.py)."""
     microbatch_input: EdgeSpec
     microbatch_target: EdgeSpec
+    loss_programs: tuple[bytes, ...]
+    """Per island rank of the last stage: the loss program (a vocabulary-parallel cross-entropy
+    where the logits stay sharded; else the submitted loss, the same for every rank)."""
+
+    @property
+    def output_dims(self) -> dict[int, int]:
+        """Model output position -> the dimension the island's ranks each hold a slice of."""
+        last = self.stages[-1].sharding
+        return last.output_dims if last is not None else {}
+
+    def full_parameter(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """A parameter from its island ranks' pieces (rank order); a whole one from rank 0."""
+        for s in self.stages:
+            if s.sharding is not None and name in s.sharding.params:
+                return s.sharding.params[name].join(shards)
+        return shards[0]
 
     def report(self, placement: dict[int, str] | None = None) -> dict:
         """The plan as plain data: placement, stages, edges, per-rank actions and grid, memory."""
@@ -111,6 +132,8 @@ class CompiledPipeline:
             "virtual_stages": t.virtual_stages,
             "microbatches": t.microbatches,
             "data_parallel": t.data_parallel,
+            "tensor_parallel": t.tensor_parallel,
+            "layout": {"pipeline": t.ranks, "tensor": t.tensor_parallel, "data": t.data_parallel, "workers": t.workers},
             "num_stages": t.num_stages,
             "rematerialize": self.request.config.rematerialize,
             "device": self.request.config.device,
@@ -127,6 +150,19 @@ class CompiledPipeline:
                     "parameter_bytes": s.memory.parameter_bytes,
                     "stashed_bytes_per_microbatch": s.memory.stashed_bytes,
                     "recomputed_bytes_per_microbatch": s.memory.recomputed_bytes,
+                    **(
+                        {
+                            "tensor_parallel": {
+                                "modules": s.sharding.modules,
+                                "sharded_parameters": {
+                                    n: {"dim": p.dim, "blocks": list(p.blocks)} for n, p in s.sharding.params.items()
+                                },
+                                "collectives_per_microbatch": s.sharding.collectives,
+                            }
+                        }
+                        if s.sharding is not None
+                        else {}
+                    ),
                 }
                 for s in self.stages
             ],
@@ -172,6 +208,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         microbatches=cfg.microbatches,
         schedule=cfg.schedule,
         data_parallel=cfg.data_parallel,
+        tensor_parallel=cfg.tensor_parallel,
     )
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
     if cfg.dispatch not in DISPATCH_MODES:
@@ -182,6 +219,10 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         raise InvalidInput("zero=1 shards the optimizer state across data-parallel replicas: needs data_parallel > 1")
     if cfg.data_parallel > 1 and cfg.device != "cpu":
         raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
+    if cfg.tensor_parallel > 1 and cfg.device != "cpu":
+        raise InvalidInput("tensor parallelism runs on CPU workers only (not built for CUDA yet)")
+    if cfg.tensor_parallel_plan and cfg.tensor_parallel == 1:
+        raise InvalidInput("tensor_parallel_plan names how to shard modules: it needs tensor_parallel > 1")
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:
@@ -197,18 +238,23 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
     mb_input = microbatch_spec(req.input, cfg.microbatches * cfg.data_parallel)
     mb_target = microbatch_spec(req.target, cfg.microbatches * cfg.data_parallel)
     split = split_model(req.model, mb_input, topo.num_stages, list(cfg.split_at), req.aliases)
-    analyzed = [analyze_stage(st.index, st.program) for st in split.stages]
+    programs, shardings, loss_programs = [(st.program,) for st in split.stages], [None] * topo.num_stages, (req.loss,)
+    flow = split.dataflow
+    if topo.tensor_parallel > 1:
+        shardings, loss_programs, flow = _shard(split, flow, cfg, mb_target, req.loss)
+        programs = [s.programs for s in shardings]
+    analyzed = [analyze_stage(s, p[0]) for s, p in enumerate(programs)]
     infos = [info for info, _ in analyzed]
-    _check_edges(split.dataflow, infos)
-    loss = analyze_loss(req.loss, infos[-1].output, mb_target)
-    routes = Routes(split.dataflow, topo.stage_ranks)
+    _check_edges(flow, infos)
+    loss = analyze_loss(loss_programs[0], infos[-1].output, mb_target)
+    routes = Routes(flow, topo.stage_ranks)
 
     def private(s: int) -> tuple[StageGraph, BlockGraph]:
         """Copies the CUDA analysis may move in place; on CPU the analyzed graphs themselves."""
         if device == "cpu":
             return StageGraph(analyzed[s][1]), loss
         fresh = BlockGraph(f"stage {s}", deserialize(infos[s].data, f"stage {s}"))
-        return StageGraph(fresh), BlockGraph("loss", deserialize(req.loss, "loss program"))
+        return StageGraph(fresh), BlockGraph("loss", deserialize(loss_programs[0], "loss program"))
 
     stages = []
     for s in range(topo.num_stages):
@@ -217,14 +263,22 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         memory = memory_plan.measure_stage(
             graph,
             infos[s].input,
-            _from_stages(split.dataflow, s),
+            _from_stages(flow, s),
             stage_loss if is_last else None,
             mb_target if is_last else None,
             cfg.rematerialize,
             device,
         )
         stages.append(
-            CompiledStage(index=s, rank=topo.rank_of(s), modules=split.stages[s].modules, info=infos[s], memory=memory)
+            CompiledStage(
+                index=s,
+                rank=topo.rank_of(s),
+                modules=split.stages[s].modules,
+                info=infos[s],
+                memory=memory,
+                programs=programs[s],
+                sharding=shardings[s],
+            )
         )
 
     lowered = lower(build_schedule(topo), topo, routes)
@@ -240,6 +294,7 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         routes,
         zero_shards=cfg.data_parallel if cfg.zero else 1,
     )
+    island = communication_plan.island_bytes(shardings, cfg.rematerialize)
     communication = {
         r: communication_plan.predict_rank(
             lowered.actions[r],
@@ -247,15 +302,16 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
             r,
             [p for s in topo.stages_of(r) for p in stage_params[s]],
             cfg.data_parallel if cfg.zero else 1,
+            island=island,
         )
         for r in range(topo.ranks)
     }
     return CompiledPipeline(
         request=req,
         topology=topo,
-        dataflow=split.dataflow,
+        dataflow=flow,
         routes=routes,
-        batch_ranks=frozenset(topo.rank_of(e.dst) for e in split.dataflow.edges if e.src == BATCH),
+        batch_ranks=frozenset(topo.rank_of(e.dst) for e in flow.edges if e.src == BATCH),
         stages=stages,
         lowered=lowered,
         timeline=timeline,
@@ -263,7 +319,50 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         communication=communication,
         microbatch_input=mb_input,
         microbatch_target=mb_target,
+        loss_programs=loss_programs,
     )
+
+
+def _shard(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, loss: bytes):
+    """Every stage sharded over its island (controller/tensor_parallel.py); a tied parameter must be
+    cut alike by every stage holding it, and its gradient buffers are then its local piece."""
+    T, last = cfg.tensor_parallel, len(split.stages) - 1
+    shardings, loss_programs = [], (loss,)
+    for st in split.stages:
+        inputs = [t.empty("cpu").zero_() for t in _stage_input_spec(flow, st.index).tensors]
+        sharded, losses = shard_stage(
+            st.program, st.index, T, dict(cfg.tensor_parallel_plan), inputs, st.index == last, loss, mb_target
+        )
+        shardings.append(sharded)
+        if losses is not None:
+            loss_programs = losses
+    tied = []
+    for t in flow.tied:
+        cuts = {shardings[s].params.get(t.name) for s in t.stages}
+        if len(cuts) > 1:
+            raise InvalidInput(
+                f"tied parameter {t.name} is cut differently by stages {list(t.stages)} ({cuts}); "
+                "state a tensor_parallel_plan that keeps its modules alike"
+            )
+        (cut,) = cuts
+        shape = list(t.spec.shape)
+        if cut is not None:
+            shape[cut.dim] //= T
+        tied.append(TiedParameter(t.name, t.stages, TensorSpec(tuple(shape), t.spec.dtype)))
+    return (
+        shardings,
+        (loss_programs if len(loss_programs) == T else loss_programs * T),
+        Dataflow(flow.num_stages, flow.edges, tuple(tied)),
+    )
+
+
+def _stage_input_spec(flow: Dataflow, stage: int) -> EdgeSpec:
+    """A stage's inputs by position, from the edges into it."""
+    specs: dict[int, TensorSpec] = {}
+    for _, e in flow.incoming(stage):
+        for j, t in zip(e.dst_indices, e.spec.tensors):
+            specs[j] = t
+    return EdgeSpec(f"stage {stage} input", tuple(specs[j] for j in sorted(specs)))
 
 
 def _from_stages(flow: Dataflow, stage: int) -> set[int]:

@@ -27,12 +27,15 @@ from atoll.core.config import JobConfig
 from atoll.core.wire import (
     EdgeSpec,
     join_rows,
+    join_slices,
     shard_rows,
     spec_from_pb,
     spec_of_pb_tensor,
     spec_to_pb,
+    tensor_from_pb,
     tensor_spec_from_pb,
     tensor_spec_to_pb,
+    tensor_to_pb,
 )
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
 
@@ -132,18 +135,22 @@ class ControllerService(pb_grpc.ControllerServicer):
         return place(self.registry.live(), held, ranks, device, islands, exclusive)
 
     def _load_request(
-        self, job_id: str, compiled: CompiledPipeline, rank: int, peers: list[str], groups: list[str], replica: int
+        self, job_id: str, compiled: CompiledPipeline, at: tuple[int, int, int], peers: list[str], groups: list[str]
     ) -> pb.LoadPlanRequest:
-        """Replica ``replica``'s rank ``rank``: each replica's pipeline meets in a namespace of its
-        own; each rank's replicas meet in another, for the gradient average."""
+        """The worker at ``at`` = (replica, pipeline rank, island rank). Each chain of the pipeline
+        (a replica's island rank ``tp`` of every stage) meets in a namespace of its own; each
+        rank's replicas meet in another, for the gradient average; each stage's island in a third,
+        for its tensor-parallel collectives."""
+        replica, rank, tp = at
         topo, low = compiled.topology, compiled.lowered
         stages = [
             pb.StageProgram(
-                stage=s.index, input=spec_to_pb(s.input), output=spec_to_pb(s.output), exported_program=s.info.data
+                stage=s.index, input=spec_to_pb(s.input), output=spec_to_pb(s.output), exported_program=s.programs[tp]
             )
             for s in compiled.stages
             if s.rank == rank
         ]
+        chain = f"{job_id}/" if topo.data_parallel == topo.tensor_parallel == 1 else f"{job_id}/r{replica}t{tp}/"
         edges, tied = compiled.dataflow.to_pb()
         holds_last = topo.rank_of(topo.num_stages - 1) == rank
         return pb.LoadPlanRequest(
@@ -151,11 +158,13 @@ class ControllerService(pb_grpc.ControllerServicer):
             rank=rank,
             world_size=topo.ranks,
             store_address=f":{self.store_port}",
-            store_prefix=f"{job_id}/" if topo.data_parallel == 1 else f"{job_id}/r{replica}/",
+            store_prefix=chain,
             replica=replica,
-            replica_group_prefix=f"{job_id}/dp{rank}/",
+            replica_group_prefix=f"{job_id}/dp{rank}t{tp}/",
+            tp_rank=tp,
+            tp_group_prefix=f"{job_id}/tp{replica}.{rank}/",
             stages=stages,
-            loss_program=compiled.request.loss if holds_last else b"",
+            loss_program=compiled.loss_programs[tp] if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
             stage_ranks=topo.stage_ranks,
             config=compiled.request.config.to_pb(),
@@ -185,22 +194,28 @@ class ControllerService(pb_grpc.ControllerServicer):
         with self._compile_lock:  # torch.export's (de)serializers keep global state: one compile at a time
             compiled = compile_pipeline(decode_program(request))
         cfg, topo = compiled.request.config, compiled.topology
-        # islands name each pipeline rank's island, the same for every replica
-        islands = cfg.islands * topo.data_parallel if len(cfg.islands) == topo.ranks else cfg.islands
+        # islands name each pipeline rank's island, the same for every replica and island rank
+        if len(cfg.islands) == topo.ranks:
+            islands = tuple(cfg.islands[topo.coordinates(i)[1]] for i in range(topo.workers))
+        else:
+            islands = cfg.islands
         ticket = Ticket(cfg.name, topo.workers, cfg.device, islands, cfg.exclusive)
         with self._lock:  # placement and bookkeeping are one decision
             workers = self.admission.admit(
                 ticket, lambda: self._place(topo.workers, cfg.device, islands, cfg.exclusive), cfg.admission_timeout_s
             )
-            replicas = []  # per replica: (edges, peers, groups)
+            chains = {}  # per (replica, island rank): the pipeline's (edges, peers, groups)
             for d in range(topo.data_parallel):
-                edges = edge_transports(compiled.routes, workers[d * topo.ranks : (d + 1) * topo.ranks], cfg.transport)
-                peers = peer_transports(edges, topo.ranks)
-                # process groups are joined by every rank of the replica or by none
-                replicas.append((edges, peers, sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)))
+                for tp in range(topo.tensor_parallel):
+                    chain = [workers[i] for i in topo.pipeline_workers(d, tp)]
+                    edges = edge_transports(compiled.routes, chain, cfg.transport)
+                    peers = peer_transports(edges, topo.ranks)
+                    # process groups are joined by every rank of the pipeline or by none
+                    groups = sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)
+                    chains[d, tp] = (edges, peers, groups)
             job_id = f"job{next(self._job_ids)}"
             report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
-            report["edges"], _, report["groups"] = replicas[0]
+            report["edges"], _, report["groups"] = chains[0, 0]
             job = Job(
                 job_id=job_id,
                 name=compiled.request.config.name or job_id,
@@ -213,9 +228,9 @@ class ControllerService(pb_grpc.ControllerServicer):
                 w.jobs.add(job_id)
         calls = []
         for i, w in enumerate(workers):
-            d, r = divmod(i, topo.ranks)
-            _, peers, groups = replicas[d]
-            calls.append(Call(w, "LoadPlan", self._load_request(job_id, compiled, r, peers[r], groups, d)))
+            d, r, tp = topo.coordinates(i)
+            _, peers, groups = chains[d, tp]
+            calls.append(Call(w, "LoadPlan", self._load_request(job_id, compiled, (d, r, tp), peers[r], groups)))
         try:
             self._dispatch_ordered(calls, self.load_timeout_s).replies()
         except DispatchError as e:
@@ -268,17 +283,17 @@ class ControllerService(pb_grpc.ControllerServicer):
                 if request.keep_outputs and mode != "forward":
                     raise InvalidInput("only a forward step keeps its output on the workers")
                 replicas = topo.data_parallel
-                if replicas > 1 and (input_refs or target_refs or request.keep_outputs):
+                if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
                     raise InvalidInput(
-                        "a data-parallel job takes and returns tensors, not remote values (not built yet)"
+                        "a data- or tensor-parallel job takes and returns tensors, not remote values (not built yet)"
                     )
                 common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
                 own = {}  # the requests of the workers that read the batch or hold the last stage
                 for d in range(replicas):  # each replica reads its own rows of the batch
                     inputs = [shard_rows(t, d, replicas) for t in request.inputs]
                     targets = [shard_rows(t, d, replicas) for t in request.targets]
-                    for r in {*readers, last}:
-                        own[topo.worker(d, r)] = pb.RunStepRequest(
+                    for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
+                        own[topo.worker(d, r, tp)] = pb.RunStepRequest(
                             job_id=job.job_id,
                             step=seq - 1,
                             inputs=inputs if r in readers else [],
@@ -314,6 +329,13 @@ class ControllerService(pb_grpc.ControllerServicer):
                 job.steps += 1
         lasts = [replies[topo.worker(d, last)] for d in range(topo.data_parallel)]
         losses = [loss for reply in lasts for loss in reply.microbatch_losses]  # replica by replica
+        outputs = [reply.outputs for reply in lasts]
+        if job.compiled.output_dims and lasts[0].outputs:  # each island rank holds a slice of the logits
+            dims = job.compiled.output_dims
+            outputs = [
+                join_slices([replies[topo.worker(d, last, tp)].outputs for tp in range(topo.tensor_parallel)], dims)
+                for d in range(topo.data_parallel)
+            ]
         # each worker's accounting is JSON already: joined, not parsed (a job may have many workers)
         memory = ", ".join(f'"{r}": {rep.memory_json or "{}"}' for r, rep in enumerate(replies))
         return pb.StepReply(
@@ -321,7 +343,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             microbatch_losses=losses,
             step=seq,
             memory_json="{" + memory + "}",
-            outputs=join_rows([reply.outputs for reply in lasts]),
+            outputs=join_rows(outputs),
             kept_outputs=[self._holder_ref(job.workers[last], k) for k in replies[last].kept_outputs],
         )
 
@@ -411,13 +433,29 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def GetState(self, request, context):
         job = self._ready_job(request.job_id)
-        # every replica holds the same weights: replica 0's are read
-        replica0 = job.workers[: job.compiled.topology.ranks]
+        # every replica holds the same weights: replica 0's are read, from every rank of each island
+        compiled = job.compiled
+        replica0 = job.workers[: compiled.topology.ranks * compiled.topology.tensor_parallel]
         calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in replica0]
         with job.order:  # after every step the client has sent so far
             pending = self._dispatch_ordered(calls, self.step_timeout_s)
         replies = pending.replies()
-        tensors = {t.name: t for reply in replies for t in reply.tensors}  # a tied parameter comes from each holder
+        if compiled.topology.tensor_parallel == 1:
+            tensors = {t.name: t for reply in replies for t in reply.tensors}  # a tied parameter comes from each holder
+        else:
+            pieces: dict[str, dict[int, pb.TensorData]] = {}
+            for i, reply in enumerate(replies):
+                for t in reply.tensors:
+                    pieces.setdefault(t.name, {})[compiled.topology.coordinates(i)[2]] = t.tensor
+            tensors = {
+                name: pb.NamedTensor(
+                    name=name,
+                    tensor=tensor_to_pb(
+                        compiled.full_parameter(name, [tensor_from_pb(by_rank[t], name) for t in sorted(by_rank)])
+                    ),
+                )
+                for name, by_rank in pieces.items()
+            }
         for alias, name in job.compiled.request.aliases.items():  # the model's other names of shared tensors
             if name in tensors:
                 tensors[alias] = pb.NamedTensor(name=alias, tensor=tensors[name].tensor)

@@ -1,4 +1,5 @@
-"""The one validated description of where a pipeline's stages run."""
+"""The one validated description of where a job's stages run: its layout (pipeline x tensor x data),
+in the spirit of torchtitan's ParallelDims."""
 
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ class Topology:
     schedule: str = "gpipe"
     """One of SCHEDULE_NAMES."""
     data_parallel: int = 1
-    """Replicas of the pipeline; replica ``d``'s rank ``r`` runs on worker ``d * ranks + r``."""
+    """Replicas of the pipeline."""
+    tensor_parallel: int = 1
+    """Workers per pipeline rank (the island each stage is sharded over). Replica ``d``'s rank ``r``
+    runs on workers ``(d * ranks + r) * tensor_parallel + t``, t = 0 .. tensor_parallel - 1: an
+    island's workers are neighbours in placement order (same host first), as in Megatron-LM."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULE_NAMES:
             raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULE_NAMES)})")
-        for name in ("ranks", "virtual_stages", "microbatches", "data_parallel"):
+        for name in ("ranks", "virtual_stages", "microbatches", "data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
@@ -45,10 +50,19 @@ class Topology:
 
     @property
     def workers(self) -> int:
-        return self.ranks * self.data_parallel
+        return self.ranks * self.tensor_parallel * self.data_parallel
 
-    def worker(self, replica: int, rank: int) -> int:
-        return replica * self.ranks + rank
+    def worker(self, replica: int, rank: int, tp: int = 0) -> int:
+        return (replica * self.ranks + rank) * self.tensor_parallel + tp
+
+    def coordinates(self, worker: int) -> tuple[int, int, int]:
+        """(replica, pipeline rank, rank in the island) of a worker index."""
+        copy, tp = divmod(worker, self.tensor_parallel)
+        return (*divmod(copy, self.ranks), tp)
+
+    def pipeline_workers(self, replica: int, tp: int) -> list[int]:
+        """The workers forming one chain of the pipeline: island rank ``tp`` of every stage of a replica."""
+        return [self.worker(replica, r, tp) for r in range(self.ranks)]
 
     @property
     def num_stages(self) -> int:

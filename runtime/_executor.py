@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from atoll._buckets import GradBuckets
 from atoll._transport import DataPlaneError, Handle, Transport
 from atoll._zero import ZeroShard
+from atoll.core import collectives
 from atoll.core.actions import STEP_MODES, Action, Kind
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten
@@ -87,6 +88,8 @@ class _StepState:
     all_reduced_bytes: int = 0
     """Gradient bytes this rank put into the data-parallel all-reduce (what gloo moves for them
     depends on its algorithm)."""
+    island_bytes: int = 0
+    """Bytes this rank put into its tensor-parallel island's collectives."""
     waiting_s: float = 0.0
     """Time spent blocked on the data plane: the measured bubble plus transfer time."""
 
@@ -134,6 +137,9 @@ class PipelineExecutor:
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
+        self.island = None
+        """The gloo group of this stage's tensor-parallel island, which its sharded graphs' collectives
+        run in (atoll.core.collectives), if any."""
         self.buckets: GradBuckets | None = None
         """Without ZeRO: the gradient all-reduces started during each stage's last backward."""
         self._last_backward = {a.stage: a.microbatch for a in actions if a.kind is Kind.BACKWARD}
@@ -274,6 +280,7 @@ class PipelineExecutor:
                     "sent": state.sent_bytes,
                     "received": state.received_bytes,
                     "all_reduced": state.all_reduced_bytes,
+                    "island_all_reduced": state.island_bytes,
                 },
             }
             if cuda:  # the allocator's view, next to the executor's own accounting
@@ -304,7 +311,14 @@ class PipelineExecutor:
         state.meter.observe(snap, len(state.stash))
 
     def _run(self, action: Action, state: _StepState) -> None:
-        self._handlers[action.kind](self, action, state)
+        if self.island is None or not action.is_compute:
+            self._handlers[action.kind](self, action, state)
+            return
+        with collectives.bind(self.island):  # a sharded stage's graph runs its island's collectives
+            try:
+                self._handlers[action.kind](self, action, state)
+            finally:
+                state.island_bytes += collectives.take_counted_bytes()
 
     # ------------------------------------------------------------------ communication
 
@@ -568,7 +582,7 @@ class PipelineExecutor:
             }
 
     def close(self) -> None:
-        for group in (self.transport, self.replicas):
+        for group in (self.transport, self.replicas, self.island):
             if group is not None:
                 group.close()
         self.stages.clear()

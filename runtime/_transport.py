@@ -97,6 +97,7 @@ class GlooTransport:
             raise DataPlaneError(f"rank {rank}/{world_size} could not join the job's gloo group: {e}") from None
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = timeout_s
         self._pinned: dict[int, torch.Tensor] = {}  # device buffer's address -> its pinned twin
         self._copied: dict[int, torch.cuda.Event] = {}  # pinned twin's address -> its last copy out
 
@@ -127,6 +128,13 @@ class GlooTransport:
         """Sum each CPU tensor in place across the group (one coalesced collective)."""
         work = self._group.allreduce_coalesced(tensors)
         return _GlooHandle(work, f"all-reduce of {len(tensors)} tensors", tensors)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        """Reduce a CPU tensor in place across the group ("sum" or "max") and wait for it (a
+        tensor-parallel island's collective, atoll.core.collectives)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        _GlooHandle(self._group.allreduce([tensor], opts), f"island all-reduce ({op})", tensor).wait(self.timeout_s)
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle:
         """Every member's ``tensor`` into ``outputs`` (one per member, in member order)."""

@@ -200,6 +200,8 @@ class Client:
         dispatch: str = "parallel",
         data_parallel: int = 1,
         zero: int = 0,
+        tensor_parallel: int = 1,
+        tensor_parallel_plan: dict[str, str] | None = None,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -234,6 +236,14 @@ class Client:
         optimizer step, so training matches one process running all ``microbatches * D``
         microbatches of the batch. ``zero=1`` (ZeRO stage 1) has each replica keep and step only
         its 1/D of the optimizer state, the updated parameters then all-gathered.
+
+        ``tensor_parallel=T`` runs every stage sharded over an island of T workers (Megatron-LM):
+        the compiler finds the column-/row-parallel linear pairs (MLPs, attention by heads), splits
+        embeddings by vocabulary and pairs a vocabulary-sharded LM head with a vocabulary-parallel
+        cross-entropy; the rest stays whole on every rank, and the plan lists what was cut how.
+        ``tensor_parallel_plan`` maps module names to "colwise", "rowwise", "vocab_embedding" (what
+        the compiler must find) or "replicate" (keep whole). The layout takes
+        ``stages * tensor_parallel * data_parallel`` workers; ``Job.state_dict()`` returns whole tensors.
         """
         program = Program()
         x, y = program.input("input", example_input), program.input("target", example_target)
@@ -257,6 +267,8 @@ class Client:
             dispatch=dispatch,
             data_parallel=data_parallel,
             zero=zero,
+            tensor_parallel=tensor_parallel,
+            tensor_parallel_plan=dict(tensor_parallel_plan or {}),
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
@@ -286,9 +298,11 @@ class Client:
         except TypeError as e:  # an unknown setting
             raise InvalidInput(f"unknown setting for compile/pipeline: {e}") from None
         example_input, example_target = program.example_batch()
+        for degree in ("data_parallel", "tensor_parallel"):  # the wire reads 0 as "not set"
+            value = getattr(config, degree)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"{degree} must be a positive integer, got {value!r}")
         replicas = config.data_parallel
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise InvalidInput(f"data_parallel must be a positive integer, got {replicas!r}")
         # exported at the shape of one microbatch of one replica
         exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches * replicas)
         request = pb.PipelineProgram(

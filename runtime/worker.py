@@ -142,12 +142,30 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
             if request.world_size > 1:
                 executor.transport = self._connect(request, executor, timeout_s)
-            if config.data_parallel > 1:
-                try:
-                    executor.use_replicas(self._replica_group(request, config.data_parallel, timeout_s))
-                except Exception:
-                    executor.close()  # the pipeline's groups, joined just before
-                    raise
+            try:
+                if config.data_parallel > 1:
+                    executor.use_replicas(
+                        self._cpu_group(
+                            request.replica_group_prefix,
+                            request.replica,
+                            config.data_parallel,
+                            request,
+                            timeout_s,
+                            "data parallelism",
+                        )
+                    )
+                if config.tensor_parallel > 1:
+                    executor.island = self._cpu_group(
+                        request.tp_group_prefix,
+                        request.tp_rank,
+                        config.tensor_parallel,
+                        request,
+                        timeout_s,
+                        "tensor parallelism",
+                    )
+            except Exception:
+                executor.close()  # the groups joined just before
+                raise
         except DataPlaneError as e:
             raise JobFailed(str(e)) from None
         with self._lock:
@@ -161,16 +179,17 @@ class WorkerService(pb_grpc.WorkerServicer):
             store = f"{self.controller_host}{store}"
         return store
 
-    def _replica_group(self, request: pb.LoadPlanRequest, replicas: int, timeout_s: float) -> GlooTransport:
-        """The gloo group of this pipeline rank across the data-parallel replicas (gradient average)."""
+    def _cpu_group(
+        self, prefix: str, rank: int, size: int, request: pb.LoadPlanRequest, timeout_s: float, what: str
+    ) -> GlooTransport:
+        """A gloo group of this worker with its peers: across the data-parallel replicas (gradient
+        average) or across its stage's island (tensor-parallel collectives)."""
         if self.device.type != "cpu":
-            raise DataPlaneError("data parallelism runs on CPU workers only (not built for CUDA yet)")
-        if not 0 <= request.replica < replicas:
-            raise InvalidInput(f"replica {request.replica} is not one of 0..{replicas - 1}")
-        store = open_store(self._store_address(request), request.replica_group_prefix, timeout_s)
-        return GlooTransport(
-            store=store, rank=request.replica, world_size=replicas, hostname=self.host, timeout_s=timeout_s
-        )
+            raise DataPlaneError(f"{what} runs on CPU workers only (not built for CUDA yet)")
+        if not 0 <= rank < size:
+            raise InvalidInput(f"{what}: rank {rank} is not one of 0..{size - 1}")
+        store = open_store(self._store_address(request), prefix, timeout_s)
+        return GlooTransport(store=store, rank=rank, world_size=size, hostname=self.host, timeout_s=timeout_s)
 
     def _connect(self, request: pb.LoadPlanRequest, executor: PipelineExecutor, timeout_s: float) -> PeerTransports:
         """The transports the plan names for this rank's edges, one per peer rank.

@@ -62,13 +62,19 @@ class JobConfig:
     zero: int = 0
     """1: ZeRO stage 1, each replica keeps and steps 1/data_parallel of the optimizer state, and the
     updated parameters are all-gathered (runtime/_zero.py); 0: every replica steps everything."""
+    tensor_parallel: int = 1
+    """Workers per pipeline rank: each stage runs sharded over an island of this many workers
+    (Megatron-LM tensor parallelism, controller/tensor_parallel.py)."""
+    tensor_parallel_plan: dict = field(default_factory=dict)
+    """Module name -> "colwise", "rowwise", "vocab_embedding" (what the compiler must find it to be)
+    or "replicate" (keep it whole); modules not named are sharded as the compiler finds them."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "optimizer_args":
-                json_format.ParseDict(value, msg.optimizer_args)
+            if isinstance(value, dict):
+                json_format.ParseDict(value, getattr(msg, f.name))
             elif isinstance(value, tuple):
                 getattr(msg, f.name).extend(value)
             else:
@@ -81,7 +87,7 @@ class JobConfig:
         values = {}
         for f in dataclasses.fields(JobConfig):
             value = getattr(msg, f.name)
-            if f.name == "optimizer_args":
+            if f.type == "dict":
                 value = json_format.MessageToDict(value)
             elif f.type.startswith("tuple"):
                 value = tuple(value)

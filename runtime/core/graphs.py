@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from atoll.core import collectives  # noqa: F401 (registers the island ops that sharded stage graphs call)
 from atoll.errors import InvalidInput
 
 # torch.export.load falls back to full unpickling when a weights-only load fails; this makes

@@ -174,3 +174,15 @@ def join_rows(parts: list) -> list[pb.TensorData]:
         )
         for ts in zip(*parts)
     ]
+
+
+def join_slices(parts: list, dims: dict[int, int]) -> list[pb.TensorData]:
+    """Per tensor position, the island ranks' slices joined along ``dims[position]`` (rank order);
+    a position not in ``dims`` is whole on every rank and taken from the first."""
+    out = []
+    for i, ts in enumerate(zip(*parts)):
+        if i in dims:
+            out.append(tensor_to_pb(torch.cat([tensor_from_pb(t, "output slice") for t in ts], dims[i])))
+        else:
+            out.append(ts[0])
+    return out

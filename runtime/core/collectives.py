@@ -1,0 +1,133 @@
+"""Collectives of a tensor-parallel island, as torch custom ops that stage graphs call.
+
+The compiler (controller/tensor_parallel.py) writes these ops into each rank's stage graph where
+Megatron-LM puts its conjugate operators: ``island_all_reduce`` is Megatron's *g* (sum the
+partial outputs of a row-parallel layer; its gradient passes through unchanged) and
+``island_copy`` is *f* (the input of a column-parallel layer; its gradient is summed over the
+island). Being custom ops, they survive ``torch.export`` as single nodes, so a worker runs the
+same exported program format as for any stage; the executor binds the island's group around each
+forward and backward (``bind``), and counts every byte put into a collective.
+
+The vocabulary-parallel embedding and cross-entropy are plain functions over these ops that the
+compiler inserts into the graph; export traces them into aten ops plus the island collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.library import custom_op
+
+
+class IslandGroup:
+    """What the ops need of the island: ``all_reduce(tensor, op)`` in place, with a deadline."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> None: ...
+
+
+class _Binding(threading.local):
+    group: IslandGroup | None = None
+    counted: int = 0
+
+
+_binding = _Binding()
+
+
+@contextlib.contextmanager
+def bind(group: IslandGroup):
+    """Run a stage's forward or backward on this thread with ``group`` as its island. (On CPU,
+    autograd runs a backward on the thread that called it.)"""
+    previous, _binding.group = _binding.group, group
+    try:
+        yield
+    finally:
+        _binding.group = previous
+
+
+def take_counted_bytes() -> int:
+    """Bytes this thread put into island collectives since the last call (then reset)."""
+    n, _binding.counted = _binding.counted, 0
+    return n
+
+
+def _run(x: torch.Tensor, op: str) -> torch.Tensor:
+    group = _binding.group
+    if group is None:
+        raise RuntimeError("an island collective ran outside a tensor-parallel stage (no island group bound)")
+    out = x.contiguous().clone()
+    group.all_reduce(out, op)
+    _binding.counted += out.nbytes
+    return out
+
+
+@custom_op("atoll::island_all_reduce", mutates_args=())
+def island_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the island (Megatron's g); backward: the gradient as it is."""
+    return _run(x, "sum")
+
+
+@island_all_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+island_all_reduce.register_autograd(lambda ctx, grad: grad)
+
+
+@custom_op("atoll::island_copy", mutates_args=())
+def island_copy(x: torch.Tensor) -> torch.Tensor:
+    """The input of column-parallel layers (Megatron's f): forward a copy; backward: the
+    gradient summed over the island (each rank's holds only its shard's contribution)."""
+    return x.clone()
+
+
+@island_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+island_copy.register_autograd(lambda ctx, grad: island_all_reduce(grad))
+
+
+@custom_op("atoll::island_max", mutates_args=())
+def island_max(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over the island; not differentiable (used on detached values)."""
+    return _run(x, "max")
+
+
+@island_max.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Embedding of ``ids`` where this rank holds vocabulary rows ``start .. start + len(weight)``:
+    ids of other ranks' rows give zeros here, and the island's sum is the full embedding."""
+    local = ids - start
+    mine = (local >= 0) & (local < weight.shape[0])
+    rows = torch.nn.functional.embedding(torch.where(mine, local, torch.zeros_like(local)), weight)
+    return island_all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, start: int, ignore_index: int, reduction: int
+) -> torch.Tensor:
+    """Cross-entropy of (N, V/T) logit shards against (N,) targets in the full vocabulary
+    (Megatron-LM's vocab-parallel cross-entropy): the row maximum, the sum of exponentials and
+    the target's logit are each reduced over the island; no rank ever holds a full row.
+    ``reduction``: 1 mean over non-ignored targets, 2 sum (aten's codes)."""
+    row_max = island_max(logits.detach().amax(dim=-1))
+    shifted = logits - row_max.unsqueeze(-1)
+    sum_exp = island_all_reduce(shifted.exp().sum(dim=-1))
+    local = target - start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = shifted.gather(-1, torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)).squeeze(-1)
+    picked = island_all_reduce(picked * mine.to(picked.dtype))
+    valid = (target != ignore_index).to(logits.dtype)
+    losses = (sum_exp.log() - picked) * valid
+    return losses.sum() / valid.sum() if reduction == 1 else losses.sum()
