@@ -19,7 +19,7 @@ from atoll.controller import memory_plan
 from atoll.controller.lowering import Lowered, lower
 from atoll.controller.program import StageInfo, analyze_loss, analyze_stage
 from atoll.controller.schedules import build_schedule
-from atoll.controller.simulate import Timeline, simulate
+from atoll.controller.simulate import Timeline, check_islands, island_order, simulate
 from atoll.controller.split import split_model
 from atoll.controller.tensor_parallel import ShardedStage, shard_stage
 from atoll.controller.topology import Topology
@@ -133,7 +133,13 @@ class CompiledPipeline:
             "microbatches": t.microbatches,
             "data_parallel": t.data_parallel,
             "tensor_parallel": t.tensor_parallel,
-            "layout": {"pipeline": t.ranks, "tensor": t.tensor_parallel, "data": t.data_parallel, "workers": t.workers},
+            "layout": {
+                "pipeline": t.ranks,
+                "tensor": t.tensor_parallel,
+                "data": t.data_parallel,
+                "workers": t.workers,
+                "sequence_parallel": self.request.config.sequence_parallel,
+            },
             "num_stages": t.num_stages,
             "rematerialize": self.request.config.rematerialize,
             "device": self.request.config.device,
@@ -223,6 +229,10 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         raise InvalidInput("tensor parallelism runs on CPU workers only (not built for CUDA yet)")
     if cfg.tensor_parallel_plan and cfg.tensor_parallel == 1:
         raise InvalidInput("tensor_parallel_plan names how to shard modules: it needs tensor_parallel > 1")
+    if cfg.sequence_parallel and cfg.tensor_parallel == 1:
+        raise InvalidInput(
+            "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
+        )
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:
@@ -283,6 +293,19 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
 
     lowered = lower(build_schedule(topo), topo, routes)
     timeline = simulate(lowered.actions, topo, routes)
+    if topo.tensor_parallel > 1:  # every island's ranks run their collectives in one order
+        for r in range(topo.ranks):
+            check_islands(
+                {
+                    t: island_order(
+                        lowered.actions[r],
+                        {s: sh.rank_collectives[t] for s, sh in enumerate(shardings)},
+                        topo.num_stages - 1,
+                    )
+                    for t in range(topo.tensor_parallel)
+                },
+                f"pipeline rank {r}",
+            )
     stage_params = {s: [p for _, p in StageGraph(analyzed[s][1]).named_parameters()] for s in range(topo.num_stages)}
     memory = memory_plan.predict(
         topo,
@@ -331,7 +354,15 @@ def _shard(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, loss: byt
     for st in split.stages:
         inputs = [t.empty("cpu").zero_() for t in _stage_input_spec(flow, st.index).tensors]
         sharded, losses = shard_stage(
-            st.program, st.index, T, dict(cfg.tensor_parallel_plan), inputs, st.index == last, loss, mb_target
+            st.program,
+            st.index,
+            T,
+            dict(cfg.tensor_parallel_plan),
+            inputs,
+            st.index == last,
+            loss,
+            mb_target,
+            cfg.sequence_parallel,
         )
         shardings.append(sharded)
         if losses is not None:

@@ -209,3 +209,38 @@ def _check_complete(actions, topo, routes, done, posted, consumed) -> None:
         problems.append(f"rank {topo.rank_of(recv.stage)} posts {recv} but nothing consumes it")
     if problems:
         raise ScheduleError("schedule is incomplete:\n  " + "\n  ".join(problems[:20]))
+
+
+def island_order(actions: list[Action], collectives: dict[int, dict[str, list[dict]]], last_stage: int) -> list[str]:
+    """The island collectives one island rank runs in a step, in order, from its action list and
+    each sharded stage's collectives (as read off that rank's program): a forward runs the
+    stage's forward ones (and the loss's, on the last stage), a backward its backward ones."""
+    out = []
+    for a in actions:
+        found = collectives.get(a.stage)
+        if found is None or a.kind not in (Kind.FORWARD, Kind.BACKWARD):
+            continue
+        parts = ["forward", "loss_forward"] if a.kind is Kind.FORWARD else ["backward"]
+        if a.stage != last_stage:
+            parts = [p for p in parts if p != "loss_forward"]
+        for part in parts:
+            out.extend(f"{a} {c['op']}{c['shape']}" for c in found.get(part, ()))
+    return out
+
+
+def check_islands(orders: dict[int, list[str]], where: str) -> None:
+    """An island's ranks meet at every collective: each must run the same ones in the same order,
+    or the first to differ waits forever (gloo matches collectives by order, not by name)."""
+    first = min(orders)
+    for member, order in orders.items():
+        if order == orders[first]:
+            continue
+        at = next(
+            (i for i, (a, b) in enumerate(zip(order, orders[first])) if a != b), min(len(order), len(orders[first]))
+        )
+        mine = order[at] if at < len(order) else "nothing (its list ends)"
+        theirs = orders[first][at] if at < len(orders[first]) else "nothing (its list ends)"
+        raise ScheduleError(
+            f"{where}: island rank {member} would deadlock at collective #{at}: it runs {mine}, "
+            f"while island rank {first} runs {theirs}"
+        )

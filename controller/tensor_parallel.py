@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from atoll.controller.sequence_parallel import SequencePlan, plan_sequence
 from atoll.controller.split import module_path
 from atoll.core import collectives
 from atoll.core.graphs import deserialize, serialize
@@ -53,10 +54,18 @@ SAME_SHAPE = {
     aten._to_copy.default,
 }
 ROLES = ("colwise", "rowwise", "vocab_embedding", "replicate")
+_ops = torch.ops.atoll
+# per island op: the (direction, "in"/"out") of each collective it runs, as the bytes of its input or
+# output tensor; e.g. a reduce-scatter all-reduces its whole input forward and all-gathers its
+# output's gradient backward (atoll.core.collectives counts the same tensors as it runs)
 COLLECTIVE_OPS = {
-    torch.ops.atoll.island_all_reduce.default: "forward",
-    torch.ops.atoll.island_max.default: "forward",
-    torch.ops.atoll.island_copy.default: "backward",
+    _ops.island_all_reduce.default: (("forward", "in", "all_reduce_sum"),),
+    _ops.island_max.default: (("forward", "in", "all_reduce_max"),),
+    _ops.island_copy.default: (("backward", "in", "all_reduce_sum"),),
+    _ops.island_reduce_scatter.default: (("forward", "in", "reduce_scatter"), ("backward", "out", "all_gather")),
+    _ops.island_gather.default: (("forward", "in", "all_gather"), ("backward", "out", "reduce_scatter")),
+    _ops.island_gather_whole.default: (("forward", "in", "all_gather"),),
+    _ops.island_scatter.default: (("backward", "out", "all_gather"),),
 }
 
 
@@ -92,8 +101,14 @@ class ShardedStage:
     """Module -> its role: colwise, rowwise, vocab_embedding, vocab_head, or why it stays replicated."""
     output_dims: dict[int, int]
     """Stage output position -> the dimension it is sharded along (the last stage's logits)."""
-    collectives: dict[str, list[dict]]
-    """"forward"/"backward": each island all-reduce one microbatch runs, in order, with its bytes."""
+    rank_collectives: tuple[dict[str, list[dict]], ...]
+    """Per island rank, read off its own program: "forward", "backward" (and "loss_forward" on the
+    last stage), each island all-reduce one microbatch runs, in order, with its shape and bytes.
+    The simulator checks that the island's ranks meet at each in the same order."""
+
+    @property
+    def collectives(self) -> dict[str, list[dict]]:
+        return self.rank_collectives[0]
 
     def bytes(self, direction: str) -> int:
         return sum(c["bytes"] for c in self.collectives.get(direction, ()))
@@ -410,18 +425,51 @@ def _decide(gm, ranks, plan, initial, outputs_ok, excluded: set, reasons: dict) 
             excluded |= c.origins
 
 
-def _rewrite(gm: fx.GraphModule, d: _Decisions, rank: int, ranks: int) -> fx.GraphModule:
-    graph, env, copies = fx.Graph(), {}, {}
+def _rewrite(
+    gm: fx.GraphModule, d: _Decisions, rank: int, ranks: int, sp: SequencePlan | None = None
+) -> fx.GraphModule:
+    graph, env, done = fx.Graph(), {}, {}
     graph._codegen = copy.deepcopy(gm.graph._codegen)  # the program's input and output structure
     call = graph.call_function
+    atoll_ops = torch.ops.atoll
+
+    def through(n, x, how, dim=1):
+        """``x`` as consumer ``n`` reads it: through one collective (once per value and kind)."""
+        key = (x, how, dim)
+        if key not in done:
+            value = env[x]
+            if how in ("grad_sum", "copy"):
+                out = call(atoll_ops.island_copy.default, (value,))
+            elif how == "all_reduce":
+                out = call(atoll_ops.island_all_reduce.default, (value,))
+            elif how == "scatter":
+                out = call(atoll_ops.island_scatter.default, (value, dim, ranks))
+            elif how == "reduce_scatter":
+                out = env[x] = call(atoll_ops.island_reduce_scatter.default, (value, dim, ranks))
+            else:  # gather, gather_whole: a [B * S, H] slice travels as [B, S, H]
+                op = getattr(atoll_ops, "island_" + how).default
+                (batch, seq), flat = sp.tokens[x], _val(x).dim() == 2
+                hidden = _val(x).shape[-1]
+                if flat:
+                    value = call(aten.view.default, (value, [batch, seq // ranks, hidden]))
+                out = call(op, (value, 1, ranks))
+                if flat:
+                    out = call(aten.view.default, (out, [batch * seq, hidden]))
+            done[key] = out
+        return done[key]
+
+    def reads(n):
+        uses = sp.uses.get(n, {}) if sp is not None else {}
+        return lambda x: through(n, x, *uses[x]) if x in uses else env[x]
+
     for n in gm.graph.nodes:
-        args = lambda x: env[x]  # noqa: E731
+        args = reads(n)
         if n in d.column:
             x = n.args[1] if n.target is ADDMM else n.args[0]
-            if x not in copies:  # Megatron's f, once per input however many layers read it
-                copies[x] = call(torch.ops.atoll.island_copy.default, (env[x],))
+            # Megatron's f (or, sequence-parallel, the all-gather), once per input for every layer reading it
+            xin = args(x) if sp is not None and x in sp.tokens else through(n, x, "copy")
             new_args = list(fx.map_arg(n.args, args))
-            new_args[1 if n.target is ADDMM else 0] = copies[x]
+            new_args[1 if n.target is ADDMM else 0] = xin
             env[n] = call(n.target, tuple(new_args), fx.map_arg(n.kwargs, args))
         elif n in d.row:
             if n.target is LINEAR:
@@ -430,11 +478,19 @@ def _rewrite(gm: fx.GraphModule, d: _Decisions, rank: int, ranks: int) -> fx.Gra
             else:
                 b, x, w = n.args
                 partial = call(aten.mm.default, (env[x], env[w]))
-            out = call(torch.ops.atoll.island_all_reduce.default, (partial,))
-            env[n] = call(aten.add.Tensor, (out, env[b])) if b is not None else out
+            if sp is None:
+                out = call(atoll_ops.island_all_reduce.default, (partial,))
+                env[n] = call(aten.add.Tensor, (out, env[b])) if b is not None else out
+            elif b is None:
+                env[n] = partial
+            else:  # the sum stays partial until reduce-scattered: rank 0 alone adds the bias
+                bias = call(aten.mul.Tensor, (through(n, b, "grad_sum"), 1.0 if rank == 0 else 0.0))
+                env[n] = call(aten.add.Tensor, (partial, bias))
         elif n in d.embedding:
             rows = gm.get_parameter(n.args[0].target).shape[0] // ranks
-            env[n] = call(collectives.vocab_parallel_embedding, (env[n.args[0]], env[n.args[1]], rank * rows))
+            env[n] = call(
+                collectives.vocab_parallel_embedding, (env[n.args[0]], env[n.args[1]], rank * rows, sp is None)
+            )
         elif n in d.loss:
             vocab = _val(n.args[0]).shape[1] // ranks
             a = list(n.args) + [None, 1, -100, 0.0][len(n.args) - 2 :]
@@ -442,8 +498,12 @@ def _rewrite(gm: fx.GraphModule, d: _Decisions, rank: int, ranks: int) -> fx.Gra
         elif n in d.local_args:  # sizes along the sharded dimension, divided by the ranks
             target = aten.split_with_sizes.default if n.target in SPLITS else n.target
             env[n] = call(target, tuple(fx.map_arg(d.local_args[n], args)), fx.map_arg(n.kwargs, args))
+        elif sp is not None and n in sp.local_args:  # a reshape of a sequence slice
+            env[n] = call(n.target, tuple(fx.map_arg(sp.local_args[n], args)), fx.map_arg(n.kwargs, args))
         else:
             env[n] = graph.node_copy(n, args)
+            if sp is not None and n in sp.entry:  # a stage input: this rank's slice of the sequence
+                env[n] = call(atoll_ops.island_scatter.default, (env[n], 1, ranks))
     module = fx.GraphModule(gm, graph)
     for name, (shard, _) in d.params.items():
         owner, _, leaf = name.rpartition(".")
@@ -465,22 +525,27 @@ def _export(module: fx.GraphModule, args: tuple, what: str) -> bytes:
 def _collectives(data: bytes) -> dict[str, list[dict]]:
     out = {"forward": [], "backward": []}
     for node in deserialize(data, "sharded program").graph.nodes:
-        direction = COLLECTIVE_OPS.get(node.target)
-        if direction is not None:
-            v = node.meta["val"]
-            kind = "max" if node.target is torch.ops.atoll.island_max.default else "sum"
-            out[direction].append(
-                {"op": f"all_reduce_{kind}", "shape": list(v.shape), "bytes": v.numel() * v.element_size()}
-            )
+        for direction, side, op in COLLECTIVE_OPS.get(node.target, ()):
+            v = node.meta["val"] if side == "out" else node.args[0].meta["val"]
+            out[direction].append({"op": op, "shape": list(v.shape), "bytes": v.numel() * v.element_size()})
     out["backward"].reverse()  # backward runs them last to first
     return out
 
 
 def shard_stage(
-    data: bytes, index: int, ranks: int, plan: dict, inputs: list, is_last: bool, loss: bytes, target_spec
+    data: bytes,
+    index: int,
+    ranks: int,
+    plan: dict,
+    inputs: list,
+    is_last: bool,
+    loss: bytes,
+    target_spec,
+    sequence_parallel: bool = False,
 ) -> tuple[ShardedStage, tuple[bytes, ...] | None]:
-    """Shard stage ``index`` over ``ranks``; for the last stage, also its loss (per-rank loss
-    programs, or None when the logits stay whole). ``inputs``: example input tensors."""
+    """Shard stage ``index`` over ``ranks`` (and its token-wise code along the sequence, with
+    ``sequence_parallel``); for the last stage, also its loss (per-rank loss programs, or None
+    when the logits stay whole). ``inputs``: example input tensors."""
     gm = _graph_module(data, f"stage {index} program")
     unknown = [m for m, role in plan.items() if role not in ROLES]
     if unknown:
@@ -522,10 +587,15 @@ def shard_stage(
         if module in here and role in found and module not in {module_path(n) for n in found[role]}:
             why = d.replicated.get(module, "the compiler finds another role for it")
             raise InvalidInput(f"tensor_parallel_plan says {module!r} is {role}, but it cannot be: {why}")
+    sp = None
+    if sequence_parallel:
+        sharded = {n for n, s in d.place.items() if isinstance(s, (_Shard, list))}
+        sp = plan_sequence(gm, ranks, set(d.column), d.row, d.embedding, sharded)
     programs, loss_out = [], []
     for t in range(ranks):
         local_inputs = tuple(inputs)
-        programs.append(_export(_rewrite(gm, d, t, ranks), local_inputs, f"stage {index} (rank {t} of its island)"))
+        module = _rewrite(gm, d, t, ranks, sp)
+        programs.append(_export(module, local_inputs, f"stage {index} (rank {t} of its island)"))
         if loss_programs is not None:
             out_local = _val(next(n for n in lgm.graph.nodes if n.op == "placeholder"))
             shape = list(out_local.shape)
@@ -537,21 +607,17 @@ def shard_stage(
     roles.update({module_path(n) or n.name: "vocab_head" for n in d.output_origins})
     roles.update({module_path(n) or n.name: "rowwise" for n in d.row})
     roles.update({module_path(n) or n.name: "vocab_embedding" for n in d.embedding})
-    per_rank = []  # the island's ranks meet at each collective in order: every rank's list must match
+    per_rank = []
     for t in range(ranks):
         found = _collectives(programs[t])
         if loss_out:
             found["loss_forward"] = _collectives(loss_out[t])["forward"]
         per_rank.append(found)
-    for t, found in enumerate(per_rank[1:], 1):
-        if found != per_rank[0]:
-            raise InvalidInput(f"stage {index}: rank {t} of the island would run other collectives than rank 0")
-    stage_coll = per_rank[0]
     stage = ShardedStage(
         programs=tuple(programs),
         params={name: shard for name, (shard, _) in d.params.items()},
         modules=roles,
         output_dims=dict(d.output_dims),
-        collectives=stage_coll,
+        rank_collectives=tuple(per_rank),
     )
     return stage, tuple(loss_out) if loss_out else None

@@ -4,6 +4,9 @@
     python examples/train_gpt.py --schedule gpipe --steps 50
     python examples/train_gpt.py --data-parallel 2   # 2 replicas of a 2-stage pipeline
     python examples/train_gpt.py --data-parallel 2 --zero   # ... with ZeRO-1
+    python examples/train_gpt.py --tensor-parallel 2 # 2 stages, each sharded over 2 workers
+    python examples/train_gpt.py --tensor-parallel 2 --sequence-parallel   # ... with sequence parallelism
+    python examples/train_gpt.py --workers 8 --tensor-parallel 2 --data-parallel 2 --zero   # PP2 x TP2 x DP2
 
 Starts an embedded LocalCluster (a controller and 4 workers as subprocesses on 127.0.0.1),
 submits the model as a pipeline, trains it with a progress bar, prints the plan, the losses and
@@ -34,7 +37,13 @@ def progress(step: int, total: int, loss: float, rate: float, width: int = 30) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=4, help="workers in all: stages x data-parallel replicas")
+    parser.add_argument(
+        "--workers", type=int, default=4, help="workers in all: stages x tensor-parallel x data-parallel degrees"
+    )
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="workers per stage, the stage sharded over them")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tensor-parallel: slice the sequence between its layers"
+    )
     parser.add_argument(
         "--data-parallel", type=int, default=1, help="replicas of the pipeline, each on workers/N workers"
     )
@@ -48,8 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.data_parallel < 1 or args.workers % args.data_parallel:
-        parser.error(f"--data-parallel {args.data_parallel} does not divide --workers {args.workers}")
+    per_stage = args.data_parallel * args.tensor_parallel
+    if args.data_parallel < 1 or args.tensor_parallel < 1 or args.workers % per_stage:
+        parser.error(
+            f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} "
+            f"does not divide --workers {args.workers}"
+        )
     if args.zero and args.data_parallel < 2:
         parser.error("--zero shards the optimizer state over data-parallel replicas: give --data-parallel 2 or more")
 
@@ -76,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             example_input=x,
             example_target=y,
             loss_fn=lm_loss,
-            stages=args.workers // args.data_parallel,
+            stages=args.workers // per_stage,
             data_parallel=args.data_parallel,
+            tensor_parallel=args.tensor_parallel,
+            sequence_parallel=args.sequence_parallel,
             zero=int(args.zero),
             microbatches=args.microbatches,
             schedule=args.schedule,
@@ -98,14 +113,17 @@ def main(argv: list[str] | None = None) -> None:
             f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "
             f"({args.steps / (time.monotonic() - t0):.1f} steps/s)"
         )
-        measured = job.last.memory  # per worker: replica d's rank r is worker d * stages + r
+        measured = job.last.memory  # per worker: replica 0's rank r, island rank 0 is worker r * T
         for rank, predicted in sorted(job.plan.predicted_memory.items()):
-            moved, expected = measured[rank]["data_plane_bytes"], job.plan.predicted_communication[rank]
+            worker = rank * args.tensor_parallel
+            moved, expected = measured[worker]["data_plane_bytes"], job.plan.predicted_communication[rank]
             print(
                 f"  rank {rank}: predicted peak {predicted['total'] / 2**20:.2f} MiB, "
-                f"measured {measured[rank]['peak']['total'] / 2**20:.2f} MiB; bytes sent/received/all-reduced "
-                f"predicted {expected['sent']}/{expected['received']}/{expected['all_reduced']}, "
-                f"measured {moved['sent']}/{moved['received']}/{moved['all_reduced']}"
+                f"measured {measured[worker]['peak']['total'] / 2**20:.2f} MiB; "
+                "bytes sent/received/all-reduced/island-reduced "
+                f"predicted {expected['sent']}/{expected['received']}/{expected['all_reduced']}/"
+                f"{expected['island_all_reduced']}, measured {moved['sent']}/{moved['received']}/"
+                f"{moved['all_reduced']}/{moved['island_all_reduced']}"
             )
         model.load_state_dict(job.state_dict())
         job.close()

@@ -20,7 +20,16 @@ from atoll.controller.service import decode_program
 from atoll.errors import InvalidInput
 from atoll.plan import Plan
 
-_OVERRIDES = ("stages", "microbatches", "schedule", "virtual_stages", "data_parallel", "zero")
+_OVERRIDES = (
+    "stages",
+    "microbatches",
+    "schedule",
+    "virtual_stages",
+    "data_parallel",
+    "zero",
+    "tensor_parallel",
+    "sequence_parallel",
+)
 
 
 class _PlanOnlyClient(Client):

@@ -136,6 +136,11 @@ class GlooTransport:
         opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         _GlooHandle(self._group.allreduce([tensor], opts), f"island all-reduce ({op})", tensor).wait(self.timeout_s)
 
+    def all_gather_into(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every member's CPU ``tensor`` into ``outputs`` (member order), waited for (an island's
+        sequence-parallel gather, atoll.core.collectives)."""
+        self.all_gather(outputs, tensor).wait(self.timeout_s)
+
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle:
         """Every member's ``tensor`` into ``outputs`` (one per member, in member order)."""
         work = self._group.allgather([outputs], [tensor])

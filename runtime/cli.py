@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--virtual-stages", type=int, default=None)
     p.add_argument("--data-parallel", type=int, default=None, help="replicas of the pipeline (workers = stages x N)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1], help="1: ZeRO-1 over the replicas")
+    p.add_argument("--tensor-parallel", type=int, default=None, help="workers per stage, the stage sharded over them")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: slice the sequence")
     p.add_argument("--rematerialize", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_plan)

@@ -202,6 +202,7 @@ class Client:
         zero: int = 0,
         tensor_parallel: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
+        sequence_parallel: bool = False,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -244,6 +245,8 @@ class Client:
         ``tensor_parallel_plan`` maps module names to "colwise", "rowwise", "vocab_embedding" (what
         the compiler must find) or "replicate" (keep whole). The layout takes
         ``stages * tensor_parallel * data_parallel`` workers; ``Job.state_dict()`` returns whole tensors.
+        ``sequence_parallel=True`` (Korthikanti et al.) also runs the code between those layers
+        (residual adds, LayerNorm, dropout) on 1/T of the sequence per worker.
         """
         program = Program()
         x, y = program.input("input", example_input), program.input("target", example_target)
@@ -269,6 +272,7 @@ class Client:
             zero=zero,
             tensor_parallel=tensor_parallel,
             tensor_parallel_plan=dict(tensor_parallel_plan or {}),
+            sequence_parallel=sequence_parallel,
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:

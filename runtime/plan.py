@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+_ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
@@ -50,6 +52,11 @@ class Plan:
             + (", rematerialized" if r["rematerialize"] else "")
             + (f"; {r['data_parallel']} data-parallel replicas" if r["data_parallel"] > 1 else "")
         ]
+        layout = r["layout"]
+        lines.append(
+            f"layout: pipeline {layout['pipeline']} x tensor {layout['tensor']} x data {layout['data']} "
+            f"= {layout['workers']} workers" + (", sequence-parallel" if layout.get("sequence_parallel") else "")
+        )
         for s in r["stages"]:
             where = r["placement"].get(str(s["rank"]), f"rank {s['rank']}")
             stash = _mib(s["stashed_bytes_per_microbatch"])
@@ -58,6 +65,16 @@ class Plan:
                 f"{s['input']} -> {s['output']}  {s['forward_flops'] / 1e6:.1f} MFLOP fwd, "
                 f"params {_mib(s['parameter_bytes'])} MiB, stash/mb {stash} MiB"
             )
+            if "tensor_parallel" in s:  # how the stage is cut over its island
+                by_role: dict[str, list[str]] = {}
+                for module, role in s["tensor_parallel"]["modules"].items():
+                    key = role if role in _ROLES else "replicated"
+                    by_role.setdefault(key, []).append(module if key != "replicated" else f"{module} ({role})")
+                for role, modules in sorted(by_role.items()):
+                    lines.append(f"    {role}: {', '.join(modules)}")
+                coll = s["tensor_parallel"]["collectives_per_microbatch"]
+                counts = ", ".join(f"{len(v)} {k.replace('_', ' ')}" for k, v in coll.items() if v)
+                lines.append(f"    island all-reduces per microbatch: {counts}")
         if r.get("edges"):  # present once the plan is placed on workers
             hops = [
                 f"{e['from_stage']}->{e['to_stage']} rank {e['from_rank']}->{e['to_rank']} {e['transport']}"
@@ -66,10 +83,14 @@ class Plan:
                 for e in r["edges"]
             ]
             lines.append("  edges: " + ", ".join(hops))
-        if r["data_parallel"] > 1 and r["placement"]:  # worker d * ranks + r runs replica d's rank r
-            for d in range(1, r["data_parallel"]):
-                where = [r["placement"].get(str(d * r["ranks"] + k), "?").split()[0] for k in range(r["ranks"])]
-                lines.append(f"  replica {d} on: {', '.join(where)}")
+        if r["placement"] and layout["workers"] > r["ranks"]:  # worker (d * ranks + k) * T + t
+            T = layout["tensor"]
+            for d in range(layout["data"]):
+                where = [
+                    "+".join(r["placement"].get(str((d * r["ranks"] + k) * T + t), "?").split()[0] for t in range(T))
+                    for k in range(r["ranks"])
+                ]
+                lines.append(f"  replica {d}, rank by rank: {', '.join(where)}")
         if r.get("tied_parameters"):
             tied = [f"{name} on stages {','.join(map(str, stages))}" for name, stages in r["tied_parameters"].items()]
             lines.append("  tied parameters (gradients summed before each update): " + "; ".join(tied))
@@ -84,9 +105,14 @@ class Plan:
                 f"{_mib(m['activations'])} {_mib(m['buffers'])} = {_mib(m['total'])} "
                 f"({m['peak_stashed_microbatches']})"
             )
-        lines.append("predicted bytes per training step and rank: sent / received / all-reduced")
+        lines.append(
+            "predicted bytes per training step and rank: sent / received / all-reduced across replicas / "
+            "all-reduced in the island"
+        )
         for rank, c in sorted(self.predicted_communication.items()):
-            lines.append(f"  rank {rank}: {c['sent']} / {c['received']} / {c['all_reduced']}")
+            lines.append(
+                f"  rank {rank}: {c['sent']} / {c['received']} / {c['all_reduced']} / {c['island_all_reduced']}"
+            )
         return "\n".join(lines)
 
     __str__ = render

@@ -59,5 +59,16 @@ def test_atoll_plan_prints_the_plan_without_a_cluster():
     ).stdout
     assert "2 ranks x 1 chunk(s)" in layout and "2 data-parallel replicas" in layout, layout
     rows = [line for line in layout.splitlines() if line.startswith("  rank ") and "/" in line]
-    all_reduced = [int(row.rsplit("/", 1)[1]) for row in rows]
+    all_reduced = [int(row.split("/")[2]) for row in rows]  # sent / received / all-reduced / island
     assert len(all_reduced) == 2 and all(n > 0 for n in all_reduced)  # each rank's gradients, averaged
+    sharded = subprocess.run(
+        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", "--stages", "2", "--tensor-parallel", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    ).stdout
+    assert "layout: pipeline 2 x tensor 2 x data 1 = 4 workers" in sharded, sharded
+    assert "colwise: " in sharded and "rowwise: " in sharded and "vocab_embedding: " in sharded
+    rows = [line for line in sharded.splitlines() if line.startswith("  rank ") and "/" in line]
+    assert len(rows) == 2 and all(int(row.split("/")[3]) > 0 for row in rows)  # the islands' all-reduces

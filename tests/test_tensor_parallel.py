@@ -59,11 +59,23 @@ def _check(job, results, state, output, model, batches, loss_fn, optimizer, repl
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("stages", [1, 2], ids=["tp2", "pp2xtp2"])
-def test_tensor_parallel_gpt_matches_single_process(client4, stages, optimizer):
+@pytest.mark.parametrize("stages, sequence", [(1, False), (1, True), (2, False)], ids=["tp2", "tp2-sp", "pp2xtp2"])
+def test_tensor_parallel_gpt_matches_single_process(client4, stages, sequence, optimizer):
     model, batches, loss_fn = models.transformer()
-    job, results, state, output = _train(client4, model, batches, loss_fn, optimizer, stages=stages, tensor_parallel=2)
+    job, results, state, output = _train(
+        client4, model, batches, loss_fn, optimizer, stages=stages, tensor_parallel=2, sequence_parallel=sequence
+    )
     _check(job, results, state, output, model, batches, loss_fn, optimizer)
+    assert job.plan.report["layout"]["sequence_parallel"] == sequence
+    ops = {
+        c["op"]
+        for s in job.plan.report["stages"]
+        for p in s["tensor_parallel"]["collectives_per_microbatch"].values()
+        for c in p
+    }
+    assert (
+        "reduce_scatter" in ops
+    ) == sequence  # Korthikanti et al.: reduce-scatter and all-gather in place of g and f
     modules = {m: role for s in job.plan.report["stages"] for m, role in s["tensor_parallel"]["modules"].items()}
     assert modules["1.qkv"] == modules["1.mlp.0"] == "colwise"  # Megatron's pairs, found in the graph
     assert modules["1.proj"] == modules["1.mlp.2"] == "rowwise"
@@ -77,9 +89,9 @@ def test_tensor_parallel_hugging_face_gpt2_matches_single_process(client4):
     """transformers' GPT-2 (Conv1D layers: addmm with [in, out] weights, a fused QKV, a mask built
     from the input), its embedding tied to the LM head, on two stages of two-worker islands."""
     model, batches = models.hf_gpt2(pytest.importorskip("transformers"))
-    for stages in (1, 2):
+    for stages, sequence in ((1, False), (1, True), (2, False)):
         job, results, state, output = _train(
-            client4, model, batches, models.lm_loss, "sgd", stages=stages, tensor_parallel=2
+            client4, model, batches, models.lm_loss, "sgd", stages=stages, tensor_parallel=2, sequence_parallel=sequence
         )
         _check(job, results, state, output, model, batches, models.lm_loss, "sgd")
     assert job.plan.report["tied_parameters"] == {"lm.transformer.wte.weight": [0, 1]}
@@ -88,13 +100,15 @@ def test_tensor_parallel_hugging_face_gpt2_matches_single_process(client4):
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_pipeline_tensor_and_data_parallel_on_eight_workers(cluster8, optimizer):
     """PP=2 x TP=2 x DP=2: two replicas of a two-stage pipeline whose stages each span two
-    workers; ZeRO-1 over the replicas with AdamW."""
+    workers; with AdamW, also ZeRO-1 over the replicas and sequence parallelism in the islands
+    (activations sliced as they enter a stage, gathered as they leave)."""
     model, batches, loss_fn = models.transformer()
-    zero = int(optimizer == "adamw")
+    more = int(optimizer == "adamw")
     with cluster8.client() as client:
         job, results, state, output = _train(
-            client, model, batches, loss_fn, optimizer, stages=2, tensor_parallel=2, data_parallel=2, zero=zero
-        )
+            client, model, batches, loss_fn, optimizer, stages=2, tensor_parallel=2, data_parallel=2, zero=more,
+            sequence_parallel=bool(more),
+        )  # fmt: skip
     assert job.plan.report["layout"] == {"pipeline": 2, "tensor": 2, "data": 2, "workers": 8}
     _check(job, results, state, output, model, batches, loss_fn, optimizer, replicas=2)
 
@@ -123,4 +137,19 @@ def test_bad_tensor_parallel_layouts_are_refused_before_loading(client4):
         client4.pipeline(model, stages=1, tensor_parallel=2, tensor_parallel_plan={"1.proj": "diagonal"}, **args)
     with pytest.raises(atoll.InvalidInput, match="needs tensor_parallel > 1"):
         client4.pipeline(model, stages=1, tensor_parallel_plan={"1.proj": "replicate"}, **args)
+    with pytest.raises(atoll.InvalidInput, match="sequence_parallel slices .*: needs tensor_parallel > 1"):
+        client4.pipeline(model, stages=1, sequence_parallel=True, **args)
     assert all(not w.jobs for w in client4.status().workers)
+
+
+def test_hugging_face_gpt2_on_eight_workers(cluster8):
+    """GPT-2 from transformers as PP=2 x TP=2 x DP=2, sequence-parallel: its tied embedding and
+    head are cut alike by vocabulary on the two stages, their gradients summed within each
+    chain, then averaged across replicas. SGD, as in tests/test_data_parallel.py."""
+    model, batches = models.hf_gpt2(pytest.importorskip("transformers"))
+    with cluster8.client() as client:
+        job, results, state, output = _train(
+            client, model, batches, models.lm_loss, "sgd", stages=2, tensor_parallel=2, data_parallel=2,
+            sequence_parallel=True,
+        )  # fmt: skip
+    _check(job, results, state, output, model, batches, models.lm_loss, "sgd", replicas=2)

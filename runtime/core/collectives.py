@@ -8,6 +8,14 @@ island). Being custom ops, they survive ``torch.export`` as single nodes, so a w
 same exported program format as for any stage; the executor binds the island's group around each
 forward and backward (``bind``), and counts every byte put into a collective.
 
+With sequence parallelism (Korthikanti et al. 2022) the regions between them run on a slice of the
+sequence (dimension ``dim``): ``island_reduce_scatter`` replaces g (its backward all-gathers),
+``island_gather`` replaces f (forward all-gather; backward reduce-scatter, as the layers after it
+give each rank a partial gradient) and ``island_gather_whole`` hands a whole value to code that
+runs alike on every rank (its backward keeps this rank's slice); ``island_scatter`` takes this
+rank's slice of a whole value (backward: all-gather). gloo has no reduce-scatter: it is an
+all-reduce of the whole tensor, then the slice.
+
 The vocabulary-parallel embedding and cross-entropy are plain functions over these ops that the
 compiler inserts into the graph; export traces them into aten ops plus the island collectives.
 """
@@ -25,9 +33,11 @@ class IslandGroup:
     """What the ops need of the island: ``all_reduce(tensor, op)`` in place, with a deadline."""
 
     rank: int
-    size: int
+    world_size: int
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> None: ...
+
+    def all_gather_into(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None: ...
 
 
 class _Binding(threading.local):
@@ -55,14 +65,32 @@ def take_counted_bytes() -> int:
     return n
 
 
-def _run(x: torch.Tensor, op: str) -> torch.Tensor:
+def _group() -> IslandGroup:
     group = _binding.group
     if group is None:
         raise RuntimeError("an island collective ran outside a tensor-parallel stage (no island group bound)")
+    return group
+
+
+def _run(x: torch.Tensor, op: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    group.all_reduce(out, op)
+    _group().all_reduce(out, op)
     _binding.counted += out.nbytes
     return out
+
+
+def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    group = _group()
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.world_size)]
+    group.all_gather_into(parts, x)
+    _binding.counted += x.nbytes
+    return torch.cat(parts, dim)
+
+
+def _slice(x: torch.Tensor, dim: int) -> torch.Tensor:
+    group = _group()
+    return x.chunk(group.world_size, dim)[group.rank].contiguous().clone()
 
 
 @custom_op("atoll::island_all_reduce", mutates_args=())
@@ -105,13 +133,68 @@ def _(x):
     return torch.empty_like(x)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    out = list(x.shape)
+    out[dim] = int(out[dim] * factor)
+    return x.new_empty(out)
+
+
+def _keep(ctx, inputs, output):
+    ctx.dim, ctx.ranks = inputs[1], inputs[2]
+
+
+@custom_op("atoll::island_reduce_scatter", mutates_args=())
+def island_reduce_scatter(x: torch.Tensor, dim: int, ranks: int) -> torch.Tensor:
+    """Sum over the island, keep this rank's slice along ``dim``; backward: all-gather."""
+    return _slice(_run(x, "sum"), dim)
+
+
+@custom_op("atoll::island_gather", mutates_args=())
+def island_gather(x: torch.Tensor, dim: int, ranks: int) -> torch.Tensor:
+    """All-gather along ``dim`` into layers that give each rank a partial gradient (Megatron's f
+    under sequence parallelism); backward: reduce-scatter."""
+    return _gather(x, dim)
+
+
+@custom_op("atoll::island_gather_whole", mutates_args=())
+def island_gather_whole(x: torch.Tensor, dim: int, ranks: int) -> torch.Tensor:
+    """All-gather along ``dim`` into code every rank runs alike; backward: this rank's slice."""
+    return _gather(x, dim)
+
+
+@custom_op("atoll::island_scatter", mutates_args=())
+def island_scatter(x: torch.Tensor, dim: int, ranks: int) -> torch.Tensor:
+    """This rank's slice along ``dim`` of a whole value (no communication); backward: all-gather."""
+    return _slice(x, dim)
+
+
+island_reduce_scatter.register_fake(lambda x, dim, ranks: _resized(x, dim, 1 / ranks))
+island_scatter.register_fake(lambda x, dim, ranks: _resized(x, dim, 1 / ranks))
+island_gather.register_fake(lambda x, dim, ranks: _resized(x, dim, ranks))
+island_gather_whole.register_fake(lambda x, dim, ranks: _resized(x, dim, ranks))
+island_reduce_scatter.register_autograd(
+    lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+)
+island_gather.register_autograd(
+    lambda ctx, grad: (island_reduce_scatter(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+)
+island_gather_whole.register_autograd(
+    lambda ctx, grad: (island_scatter(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+)
+island_scatter.register_autograd(
+    lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, reduce: bool = True):
     """Embedding of ``ids`` where this rank holds vocabulary rows ``start .. start + len(weight)``:
-    ids of other ranks' rows give zeros here, and the island's sum is the full embedding."""
+    ids of other ranks' rows give zeros here, and the island's sum is the full embedding (summed
+    here, or by the caller when ``reduce`` is False: a reduce-scatter under sequence parallelism)."""
     local = ids - start
     mine = (local >= 0) & (local < weight.shape[0])
     rows = torch.nn.functional.embedding(torch.where(mine, local, torch.zeros_like(local)), weight)
-    return island_all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+    rows = rows * mine.unsqueeze(-1).to(rows.dtype)
+    return island_all_reduce(rows) if reduce else rows
 
 
 def vocab_parallel_cross_entropy(

@@ -68,6 +68,9 @@ class JobConfig:
     tensor_parallel_plan: dict = field(default_factory=dict)
     """Module name -> "colwise", "rowwise", "vocab_embedding" (what the compiler must find it to be)
     or "replicate" (keep it whole); modules not named are sharded as the compiler finds them."""
+    sequence_parallel: bool = False
+    """With tensor parallelism: the token-wise code between its layers (residual adds, LayerNorm,
+    dropout) runs on 1/tensor_parallel of the sequence (controller/sequence_parallel.py)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
