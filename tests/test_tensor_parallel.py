@@ -109,7 +109,9 @@ def test_pipeline_tensor_and_data_parallel_on_eight_workers(cluster8, optimizer)
             client, model, batches, loss_fn, optimizer, stages=2, tensor_parallel=2, data_parallel=2, zero=more,
             sequence_parallel=bool(more),
         )  # fmt: skip
-    assert job.plan.report["layout"] == {"pipeline": 2, "tensor": 2, "data": 2, "workers": 8}
+    assert job.plan.report["layout"] == {
+        "pipeline": 2, "tensor": 2, "data": 2, "workers": 8, "sequence_parallel": bool(more)
+    }  # fmt: skip
     _check(job, results, state, output, model, batches, loss_fn, optimizer, replicas=2)
 
 
