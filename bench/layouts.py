@@ -4,14 +4,15 @@ parallel only) on the same model, batch and process count. Prints one JSON objec
 
     python bench/layouts.py [--steps 6] [--rounds 2]
 
-Layouts (pipeline x tensor x data, ZeRO-1 or not): first those of the sharded-stages issue's
-acceptance on as many workers as they take (TP2, DP2, DP2 ZeRO-1, PP2xTP2, PP2xDP2 ZeRO-1,
-PP2xTP2xDP2), then layouts of all 8 workers: 8x1x1, 4x1x2, 2x1x4, 1x1x8, 1x1x8 and 2x1x4 with
-ZeRO-1, 4x2x1, 2x4x1, 2x2x2, 1x2x4, 2x2x2 with ZeRO-1. Pipelines cut between whole blocks (8
-blocks: embedding, 6 layers, head), the same cuts on both sides. Every layout trains 8
+Layouts (pipeline x tensor x data, ZeRO-1 or not, sequence-parallel or not): first those of the
+sharded-stages issue's acceptance on as many workers as they take (TP2, TP2 with sequence
+parallelism, DP2, DP2 ZeRO-1, PP2xTP2, PP2xDP2 ZeRO-1, PP2xTP2xDP2), then layouts of all 8
+workers: 8x1x1, 4x1x2, 2x1x4, 1x1x8, 1x1x8 and 2x1x4 with ZeRO-1, 4x2x1, 2x4x1, 1x2x4,
+2x2x2 with ZeRO-1, 2x2x2 with ZeRO-1 and sequence parallelism. Pipelines cut between whole
+blocks (8 blocks: embedding, 6 layers, head), the same cuts on both sides. Every layout trains 8
 microbatches of 4 rows per step (each replica takes 8/D of them) with SGD, so all do the same
-arithmetic. Sequence parallelism is not built, so its layout is absent. Bytes are atoll's own
-per-step counts (``data_plane_bytes``, equal to the plan's prediction): point-to-point bytes sent,
+arithmetic. Bytes are atoll's own per-step counts (``data_plane_bytes``, equal to the plan's
+prediction): point-to-point bytes sent,
 gradient bytes put into the replicas' all-reduces, and bytes put into the tensor-parallel islands'
 all-reduces; for DDP the gradient bytes it all-reduces (every parameter, once a step) are given
 the same way.
@@ -46,11 +47,12 @@ from examples.gpt import lm_loss  # noqa: E402
 WORKERS = 8
 BLOCKS = 8  # the GPT example with 6 layers: embedding, 6 blocks, head
 MICROBATCHES = 8
-# (pipeline, tensor, data, zero)
+# (pipeline, tensor, data, zero, sequence parallel)
 LAYOUTS = [
-    *[(1, 2, 1, 0), (1, 1, 2, 0), (1, 1, 2, 1), (2, 2, 1, 0), (2, 1, 2, 1), (2, 2, 2, 0)],
-    *[(8, 1, 1, 0), (4, 1, 2, 0), (2, 1, 4, 0), (1, 1, 8, 0), (1, 1, 8, 1), (2, 1, 4, 1)],
-    *[(4, 2, 1, 0), (2, 4, 1, 0), (2, 2, 2, 0), (1, 2, 4, 0), (2, 2, 2, 1)],
+    *[(1, 2, 1, 0, 0), (1, 2, 1, 0, 1), (1, 1, 2, 0, 0), (1, 1, 2, 1, 0), (2, 2, 1, 0, 0), (2, 1, 2, 1, 0)],
+    (2, 2, 2, 0, 0),
+    *[(8, 1, 1, 0, 0), (4, 1, 2, 0, 0), (2, 1, 4, 0, 0), (1, 1, 8, 0, 0), (1, 1, 8, 1, 0), (2, 1, 4, 1, 0)],
+    *[(4, 2, 1, 0, 0), (2, 4, 1, 0, 0), (1, 2, 4, 0, 0), (2, 2, 2, 1, 0), (2, 2, 2, 1, 1)],
 ]
 
 
@@ -100,7 +102,7 @@ class DdpSide(TorchSide):
         self._start(_ddp_rank, WORKERS, (args,))
 
 
-def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int):
+def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int, sequence: int):
     x, y = batches[0]
     job = client.pipeline(
         model,
@@ -115,6 +117,7 @@ def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data
         optimizer_args={"lr": 0.01},
         data_parallel=data,
         tensor_parallel=tensor,
+        sequence_parallel=bool(sequence),
         zero=zero,
     )
     step = 0
@@ -145,8 +148,8 @@ def main() -> None:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     with atoll.LocalCluster(workers=WORKERS, threads_per_worker=1) as cluster, cluster.client() as client:
-        for pipeline, tensor, data, zero in LAYOUTS:
-            job, run = measure_atoll(client, model, batches, args, pipeline, tensor, data, zero)
+        for pipeline, tensor, data, zero, sequence in LAYOUTS:
+            job, run = measure_atoll(client, model, batches, args, pipeline, tensor, data, zero, sequence)
             workers = pipeline * tensor * data
             peer, peer_name = None, None
             if workers < WORKERS or tensor > 1:  # torch has no peer of the same layout here
@@ -164,7 +167,9 @@ def main() -> None:
                     theirs.append(peer.run(args.steps)[0])
             moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
             row = {
-                "layout": f"pp{pipeline} x tp{tensor} x dp{data}" + (" zero1" if zero else ""),
+                "layout": f"pp{pipeline} x tp{tensor} x dp{data}"
+                + (" zero1" if zero else "")
+                + (" sp" if sequence else ""),
                 "workers": workers,
                 "atoll_tokens_per_s": round(median(ours) * tokens),
                 "bytes_per_step": {
@@ -198,7 +203,6 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "not_built": ["sequence parallelism"],
         "rows": rows,
     }
     print(json.dumps(report, indent=1))
