@@ -79,6 +79,11 @@ class Pending:
         self.calls = calls
         self._futures = futures
 
+    def settle(self) -> Pending:
+        """Wait until every call has ended, failed or not (each has its own deadline)."""
+        wait(self._futures)
+        return self
+
     def replies(self) -> list:
         done, _ = wait(self._futures, return_when=FIRST_EXCEPTION)
         for call, future in zip(self.calls, self._futures):

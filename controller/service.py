@@ -22,6 +22,7 @@ from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.placement import place
 from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
+from atoll.core import checkpoint
 from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
 from atoll.core.wire import (
@@ -233,9 +234,15 @@ class ControllerService(pb_grpc.ControllerServicer):
             calls.append(Call(w, "LoadPlan", self._load_request(job_id, compiled, (d, r, tp), peers[r], groups)))
         try:
             self._dispatch_ordered(calls, self.load_timeout_s).replies()
-        except DispatchError as e:
+            if cfg.resume_from:
+                report["resumed_from"] = self._restore(job, cfg.resume_from)
+        except (DispatchError, InvalidInput) as e:
             job.fail(f"loading failed: {e}")
             self._unload(job, wait=True)
+            if isinstance(e, InvalidInput):
+                raise
+            if isinstance(e.error, InvalidInput):  # a worker refused the checkpoint: say why
+                raise InvalidInput(f"job {job_id} could not be loaded: {e}") from None
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
         job.state, job.loaded_at = JobState.READY, time.monotonic()
         log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
@@ -462,6 +469,66 @@ class ControllerService(pb_grpc.ControllerServicer):
         return pb.StateReply(tensors=list(tensors.values()))
 
     @rpc_handler
+    def Save(self, request, context):
+        """Every worker of replica 0 writes its own tensors into a new version of the checkpoint at
+        ``request.path``; the manifest and the switch of ``current`` come last (atoll.core.checkpoint)."""
+        job = self._ready_job(request.job_id)
+        if not request.path:
+            raise InvalidInput("a checkpoint needs a path")
+        compiled, topo = job.compiled, job.compiled.topology
+        if compiled.request.config.zero:
+            raise InvalidInput("checkpoints of ZeRO-1 jobs are not built yet (the optimizer state is a flat shard)")
+        with job.order:  # after every step the client has sent so far
+            step = job.steps  # training steps taken (the client waits for its steps before saving)
+            version = checkpoint.new_version(request.path, step)
+            replica0 = list(enumerate(job.workers[: topo.ranks * topo.tensor_parallel]))
+            files = {i: checkpoint.worker_file(*topo.coordinates(i)[1:]) for i, _ in replica0}
+            calls = [
+                Call(w, "SaveState", pb.SaveStateRequest(job_id=job.job_id, directory=str(version), file=files[i]))
+                for i, w in replica0
+            ]
+            pending = self._dispatch_ordered(calls, self.step_timeout_s)
+        try:
+            replies = pending.settle().replies()  # no worker still writing when a failed version goes
+        except DispatchError as e:
+            checkpoint.discard(version)
+            cause = self._blame(job, e)  # a worker that died is marked dead, and the job fails
+            message = f"saving job {job.job_id} failed; the previous checkpoint is kept. Cause: {cause}"
+            if not all(w.alive for w in job.workers):
+                self._fail(job, f"saving failed: {cause}")
+                raise JobFailed(message) from None
+            raise InvalidInput(message) from None
+        cfg = compiled.request.config
+        manifest = {
+            "step": step,
+            "layout": compiled.report()["layout"],
+            "optimizer": cfg.optimizer,
+            "optimizer_args": cfg.optimizer_args,
+            "cuts": _cuts(compiled),
+            "files": [
+                {"file": files[i], "rank": topo.coordinates(i)[1], "tp": topo.coordinates(i)[2]}
+                | {"keys": json.loads(r.keys_json)}
+                for (i, _), r in zip(replica0, replies)
+            ],
+        }
+        checkpoint.commit(version, manifest)
+        return pb.SaveReply(path=request.path, version=version.name, step=step)
+
+    def _restore(self, job: Job, path: str) -> dict:
+        """Load every worker's state from the checkpoint at ``path``, cut for this job's layout."""
+        version, manifest = checkpoint.open_current(path)
+        cfg = job.compiled.request.config
+        if manifest["optimizer"] != cfg.optimizer:
+            raise InvalidInput(
+                f"the checkpoint at {path} holds {manifest['optimizer']} state; this job uses {cfg.optimizer}"
+            )
+        cuts = json.dumps(_cuts(job.compiled))
+        request = pb.LoadStateRequest(job_id=job.job_id, directory=str(version), cuts_json=cuts)
+        self._dispatch_ordered([Call(w, "LoadState", request) for w in job.workers], self.load_timeout_s).replies()
+        job.steps = manifest["step"]  # the job's training steps go on counting from the checkpoint's
+        return {"path": path, "version": version.name, "step": manifest["step"]}
+
+    @rpc_handler
     def GetPlan(self, request, context):
         job = self._job(request.job_id)
         with job.order:
@@ -554,3 +621,8 @@ class ControllerService(pb_grpc.ControllerServicer):
     def stop(self) -> None:
         self.registry.stop()
         self.dispatcher.close()
+
+
+def _cuts(compiled: CompiledPipeline) -> dict:
+    """Parameter -> how the job's tensor parallelism cuts it (JSON)."""
+    return {n: c.to_json() for s in compiled.stages if s.sharding for n, c in s.sharding.params.items()}

@@ -33,6 +33,7 @@ from atoll.controller.sequence_parallel import SequencePlan, plan_sequence
 from atoll.controller.split import module_path
 from atoll.core import collectives
 from atoll.core.graphs import deserialize, serialize
+from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
 aten = torch.ops.aten
@@ -67,28 +68,6 @@ COLLECTIVE_OPS = {
     _ops.island_gather_whole.default: (("forward", "in", "all_gather"),),
     _ops.island_scatter.default: (("backward", "out", "all_gather"),),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class ParamShard:
-    """How a parameter is cut: along ``dim``, each of the ``blocks`` (sizes along ``dim``, e.g. the
-    q, k and v parts of a fused projection) cut into T equal pieces, rank t taking piece t of each."""
-
-    dim: int
-    blocks: tuple[int, ...]
-
-    def local(self, full: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
-        parts, start = [], 0
-        for size in self.blocks:
-            piece = size // ranks
-            parts.append(full.narrow(self.dim, start + rank * piece, piece))
-            start += size
-        return torch.cat(parts, self.dim).contiguous()
-
-    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's piece, in rank order (the inverse of ``local``)."""
-        pieces = [list(torch.split(s, [b // len(shards) for b in self.blocks], self.dim)) for s in shards]
-        return torch.cat([pieces[t][i] for i in range(len(self.blocks)) for t in range(len(shards))], self.dim)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from atoll.core.graphs import BlockGraph, StageGraph, flatten
 from atoll.core.memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
 from atoll.core.optim import build_optimizer
 from atoll.core.wire import EdgeSpec, TensorSpec
+from atoll.errors import InvalidInput
 
 FORWARD_DIRECTION, BACKWARD_DIRECTION = 0, 1
 MAX_TENSORS_PER_EDGE = 64
@@ -137,6 +138,8 @@ class PipelineExecutor:
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
+        self.island_rank, self.island_size = 0, 1
+        """This worker's place in its stage's tensor-parallel island."""
         self.island = None
         """The gloo group of this stage's tensor-parallel island, which its sharded graphs' collectives
         run in (atoll.core.collectives), if any."""
@@ -580,6 +583,58 @@ class PipelineExecutor:
             return {
                 k: v.detach().clone() for stage in self.stages.values() for k, v in stage.graph.state_dict().items()
             }
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """This worker's parameters, buffers and optimizer state, keyed as atoll.core.checkpoint
+        says (a tied parameter held twice here is written once: its copies are equal)."""
+        with self._lock:  # never mid-step
+            if self.zero is not None:
+                raise InvalidInput(
+                    "checkpoints of ZeRO-1 jobs are not built yet (their optimizer state is a flat shard)"
+                )
+            out, names = {}, {}
+            for stage in self.stages.values():
+                for name, p in stage.graph.named_parameters():
+                    out[f"param/{name}"], names[id(p)] = p, name
+                for name, b in stage.graph.program.module.named_buffers():
+                    out[f"buffer/{name}"] = b
+            for p, state in self.optimizer.state.items() if self.optimizer is not None else ():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"optim/{names[id(p)]}/{key}"] = value
+                    elif value is not None:
+                        raise InvalidInput(f"optimizer state {key!r} is a {type(value).__name__}, not a tensor")
+            return {k: v.detach().clone() for k, v in out.items()}
+
+    def restore(self, reader, cuts: dict, rank: int, ranks: int) -> None:
+        """Load weights and optimizer state from a checkpoint ``reader`` (atoll.core.checkpoint),
+        cut for this worker's island rank ``rank`` of ``ranks`` where ``cuts`` says."""
+
+        def local(key: str, name: str, like: torch.Tensor) -> torch.Tensor:
+            """``key`` cut as ``like`` (a parameter or buffer) is held here; a 0-d state (a step
+            count) as it is."""
+            full = reader.full(key, name)
+            if full.dim() == 0:
+                return full.clone()
+            value = cuts[name].local(full, rank, ranks) if name in cuts else full
+            if value.shape != like.shape:
+                raise InvalidInput(f"checkpoint {key} has shape {list(full.shape)}, this job holds {list(like.shape)}")
+            return value.to(like.dtype).clone()
+
+        with self._lock, torch.no_grad():
+            if self.zero is not None:
+                raise InvalidInput("restoring a ZeRO-1 job is not built yet")
+            for stage in self.stages.values():
+                for name, p in stage.graph.named_parameters():
+                    p.copy_(local(f"param/{name}", name, p))
+                    if self.optimizer is None:
+                        continue
+                    prefix = f"optim/{name}/"
+                    state = {k.removeprefix(prefix): k for k in reader.where if k.startswith(prefix)}
+                    if state:
+                        self.optimizer.state[p] = {key: local(k, name, p) for key, k in state.items()}
+                for name, b in stage.graph.program.module.named_buffers():
+                    b.copy_(local(f"buffer/{name}", name, b))
 
     def close(self) -> None:
         for group in (self.transport, self.replicas, self.island):

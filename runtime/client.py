@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -154,6 +155,19 @@ class Job:
         reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
         return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
 
+    def save(self, path: str | os.PathLike) -> dict:
+        """Checkpoint the job after every step sent so far: each worker writes its own weights and
+        optimizer state to ``path`` (storage the workers and the controller share), in safetensors
+        files under a JSON manifest, never through the client or the controller. The new version
+        replaces the previous one only once complete. Restore with ``pipeline(..., resume_from=path)``,
+        in any layout. Returns ``{"path", "version", "step"}``."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.details()
+        reply = self._client._call("Save", pb.SaveRequest(job_id=self.id, path=os.fspath(path)), timeout_s=600.0)
+        return {"path": reply.path, "version": reply.version, "step": reply.step}
+
     def close(self) -> None:
         """Free the job on every worker (idempotent)."""
         self._client._call("CloseJob", pb.JobRef(job_id=self.id))
@@ -203,6 +217,7 @@ class Client:
         tensor_parallel: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
         sequence_parallel: bool = False,
+        resume_from: str | os.PathLike = "",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -247,6 +262,9 @@ class Client:
         ``stages * tensor_parallel * data_parallel`` workers; ``Job.state_dict()`` returns whole tensors.
         ``sequence_parallel=True`` (Korthikanti et al.) also runs the code between those layers
         (residual adds, LayerNorm, dropout) on 1/T of the sequence per worker.
+
+        ``resume_from`` names a checkpoint (``Job.save``): the job starts from its weights and
+        optimizer state, whatever placement, stage count or tensor-parallel degree saved it.
         """
         program = Program()
         x, y = program.input("input", example_input), program.input("target", example_target)
@@ -273,6 +291,7 @@ class Client:
             tensor_parallel=tensor_parallel,
             tensor_parallel_plan=dict(tensor_parallel_plan or {}),
             sequence_parallel=sequence_parallel,
+            resume_from=os.fspath(resume_from),
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -26,10 +27,12 @@ from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
 from atoll._turnstile import Turnstile
 from atoll._values import ValueStore, pull
+from atoll.core import checkpoint
 from atoll.core.actions import Action
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
+from atoll.core.shards import ParamShard
 from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
 
@@ -154,6 +157,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                             "data parallelism",
                         )
                     )
+                executor.island_rank, executor.island_size = request.tp_rank, config.tensor_parallel
                 if config.tensor_parallel > 1:
                     executor.island = self._cpu_group(
                         request.tp_group_prefix,
@@ -316,6 +320,32 @@ class WorkerService(pb_grpc.WorkerServicer):
             # serialized inside the turn: a queued step must not update weights mid-read
             state = self._job(request.job_id).state_dict()
             return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
+
+    @rpc_handler
+    def SaveState(self, request: pb.SaveStateRequest, context):
+        """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
+        with self.turnstile.turn(request.gang_seq):
+            tensors = self._job(request.job_id).checkpoint_tensors()
+            if "/" in request.file or request.file.startswith("."):
+                raise InvalidInput(f"checkpoint file name {request.file!r} must be a plain name")
+            keys = checkpoint.write_tensors(Path(request.directory), request.file, tensors)
+            return pb.SaveStateReply(keys_json=json.dumps(keys))
+
+    @rpc_handler
+    def LoadState(self, request: pb.LoadStateRequest, context):
+        """Load the job's weights and optimizer state from a committed checkpoint version, cut for
+        this worker's place in the job's layout."""
+        with self.turnstile.turn(request.gang_seq):
+            executor = self._job(request.job_id)
+            version = Path(request.directory)
+            try:
+                manifest = json.loads((version / checkpoint.MANIFEST).read_text())
+                cuts = {name: ParamShard.from_json(c) for name, c in json.loads(request.cuts_json or "{}").items()}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise InvalidInput(f"checkpoint {version}: {type(e).__name__}: {e}") from None
+            reader = checkpoint.Reader(version, manifest)
+            executor.restore(reader, cuts, executor.island_rank, executor.island_size)
+            return pb.Empty()
 
     @rpc_handler
     def Unload(self, request: pb.JobRef, context):

@@ -12,10 +12,11 @@ import torch.utils._pytree as pytree
 from atoll._export import export_pipeline
 from atoll.controller.simulate import ScheduleError, check_islands, island_order
 from atoll.controller.split import split_model
-from atoll.controller.tensor_parallel import ParamShard, _view_dim, shard_stage
+from atoll.controller.tensor_parallel import _view_dim, shard_stage
 from atoll.core import collectives
 from atoll.core.actions import Action
 from atoll.core.graphs import BlockGraph, deserialize
+from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 from tests import models
 from tests.reference import relative_error

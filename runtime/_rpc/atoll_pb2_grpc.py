@@ -59,6 +59,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
                 _registered_method=True)
+        self.Save = channel.unary_unary(
+                '/atoll.v1.Controller/Save',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveReply.FromString,
+                _registered_method=True)
         self.GetPlan = channel.unary_unary(
                 '/atoll.v1.Controller/GetPlan',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
@@ -120,6 +125,13 @@ class ControllerServicer:
 
     def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Save(self, request, context):
+        """every worker writes its own tensors (runtime/core/checkpoint.py)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -187,6 +199,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
+            ),
+            'Save': grpc.unary_unary_rpc_method_handler(
+                    servicer.Save,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveReply.SerializeToString,
             ),
             'GetPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlan,
@@ -354,6 +371,33 @@ class Controller:
             '/atoll.v1.Controller/GetState',
             atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Save(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/Save',
+            atoll_dot___rpc_dot_atoll__pb2.SaveRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.SaveReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -561,6 +605,16 @@ class WorkerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
                 _registered_method=True)
+        self.SaveState = channel.unary_unary(
+                '/atoll.v1.Worker/SaveState',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveStateRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveStateReply.FromString,
+                _registered_method=True)
+        self.LoadState = channel.unary_unary(
+                '/atoll.v1.Worker/LoadState',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.LoadStateRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
         self.Unload = channel.unary_unary(
                 '/atoll.v1.Worker/Unload',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
@@ -623,6 +677,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SaveState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Unload(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -680,6 +746,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.StateReply.SerializeToString,
+            ),
+            'SaveState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveState,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveStateRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveStateReply.SerializeToString,
+            ),
+            'LoadState': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadState,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.LoadStateRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
             'Unload': grpc.unary_unary_rpc_method_handler(
                     servicer.Unload,
@@ -842,6 +918,60 @@ class Worker:
             '/atoll.v1.Worker/GetState',
             atoll_dot___rpc_dot_atoll__pb2.GetStateRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.StateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/SaveState',
+            atoll_dot___rpc_dot_atoll__pb2.SaveStateRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.SaveStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/LoadState',
+            atoll_dot___rpc_dot_atoll__pb2.LoadStateRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

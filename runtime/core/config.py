@@ -71,6 +71,9 @@ class JobConfig:
     sequence_parallel: bool = False
     """With tensor parallelism: the token-wise code between its layers (residual adds, LayerNorm,
     dropout) runs on 1/tensor_parallel of the sequence (controller/sequence_parallel.py)."""
+    resume_from: str = ""
+    """A checkpoint directory (``Job.save``): the job starts from its weights and optimizer state,
+    whatever layout saved them."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
