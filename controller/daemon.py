@@ -31,6 +31,8 @@ class ControllerConfig:
     """Silence after which a worker is declared dead and its jobs failed."""
     step_timeout_s: float = 600.0
     """Deadline of one step's RPC to each worker."""
+    lease_timeout_s: float = 30.0
+    """Silence of a client session after which its jobs (not detached ones) are closed."""
     allow_pickle: bool = False
     """Let torch.load unpickle arbitrary objects inside submitted programs (unsafe)."""
 
@@ -56,6 +58,7 @@ class ControllerDaemon:
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             step_timeout_s=config.step_timeout_s,
+            lease_timeout_s=config.lease_timeout_s,
         )
         self.server, self.port = make_server(token, config.host, config.port)
         pb_grpc.add_ControllerServicer_to_server(self.service, self.server)
@@ -64,6 +67,7 @@ class ControllerDaemon:
     def start(self) -> None:
         self.server.start()
         self.service.registry.run_health_checks()
+        self.service.run_lease_checks()
         log.info("controller listening on %s", self.address)
 
     def stop(self) -> None:

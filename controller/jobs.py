@@ -35,6 +35,8 @@ class Job:
     """The client's number of the next step to dispatch: steps go out in the client's order."""
     order: threading.Condition = field(default_factory=threading.Condition)
     loaded_at: float = field(default_factory=time.monotonic)
+    session: str = ""
+    """The client session whose lease keeps the job ("" for a detached job; controller/leases.py)."""
     worker_ids: frozenset[str] = field(init=False)
 
     def __post_init__(self):

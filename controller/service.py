@@ -19,6 +19,7 @@ from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
 from atoll.controller.fairness import FairGate
 from atoll.controller.jobs import GangScheduler, Job, JobState
+from atoll.controller.leases import Leases
 from atoll.controller.placement import place
 from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
@@ -66,7 +67,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         rpc_timeout_s: float = 60.0,
         load_timeout_s: float = 120.0,
         step_timeout_s: float = 600.0,
+        lease_timeout_s: float = 30.0,
     ):
+        self.leases = Leases(lease_timeout_s)
+        self._stopped = threading.Event()
         self.registry = Registry(
             token=token,
             heartbeat_interval_s=heartbeat_interval_s,
@@ -223,7 +227,10 @@ class ControllerService(pb_grpc.ControllerServicer):
                 compiled=compiled,
                 workers=workers,
                 report=report,
+                session="" if cfg.detached else request.session,
             )
+            if job.session:
+                self.leases.renew(job.session)
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
@@ -559,15 +566,44 @@ class ControllerService(pb_grpc.ControllerServicer):
         with self._lock:
             if request.job_id in self._closed:
                 return pb.Empty()  # closing twice is fine
-        job = self._job(request.job_id)
+        self._close(self._job(request.job_id))
+        return pb.Empty()
+
+    def _close(self, job: Job) -> None:
         if job.state is not JobState.FAILED:  # a failed job was unloaded when it failed
             self._unload(job, wait=True)
         job.state = JobState.CLOSED
         with self._lock:
             self._jobs.pop(job.job_id, None)
             self._closed.add(job.job_id)
+            held = {j.session for j in self._jobs.values()}
         self.gate.forget(job.job_id)
-        return pb.Empty()
+        if job.session and job.session not in held:
+            self.leases.forget({job.session})
+
+    @rpc_handler
+    def KeepAlive(self, request, context):
+        if request.session:
+            self.leases.renew(request.session)
+        return pb.KeepAliveReply(lease_timeout_s=self.leases.timeout_s)
+
+    def run_lease_checks(self) -> None:
+        """Close, in the background, every job whose client session's lease has run out."""
+
+        def loop():
+            while not self._stopped.wait(min(1.0, self.leases.timeout_s / 4)):
+                with self._lock:
+                    jobs = list(self._jobs.values())
+                for job in jobs:
+                    ended = job.state in (JobState.READY, JobState.FAILED)
+                    if job.session and ended and self.leases.expired(job.session):
+                        log.warning("job %s: its client's lease ran out; closing it", job.job_id)
+                        try:
+                            self._close(job)
+                        except Exception:  # noqa: BLE001 (the next sweep tries again)
+                            log.exception("closing job %s failed", job.job_id)
+
+        threading.Thread(target=loop, name="leases", daemon=True).start()
 
     @rpc_handler
     def Status(self, request, context):
@@ -619,6 +655,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         )
 
     def stop(self) -> None:
+        self._stopped.set()
         self.registry.stop()
         self.dispatcher.close()
 

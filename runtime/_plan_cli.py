@@ -35,9 +35,14 @@ _OVERRIDES = (
 class _PlanOnlyClient(Client):
     """Answers SubmitPipeline by compiling in this process; there is no controller to call."""
 
+    session = ""
+
     def __init__(self):
         self.address = "in-process"
         self.step_timeout_s = 0.0
+
+    def _keep_alive(self) -> None:  # nothing to keep alive: no controller
+        pass
 
     def _call(self, method: str, request, timeout_s: float | None = None):
         assert method == "SubmitPipeline", method

@@ -56,6 +56,7 @@ def _controller(args) -> None:
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             step_timeout_s=args.step_timeout,
+            lease_timeout_s=args.lease_timeout,
             allow_pickle=args.allow_pickle,
         )
     )
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence before a worker is dead")
     p.add_argument("--step-timeout", type=float, default=600.0, help="deadline of one step on a worker (s)")
+    p.add_argument(
+        "--lease-timeout", type=float, default=30.0, help="seconds of client silence before its jobs are closed"
+    )
     _add_common(p)
     p.set_defaults(run=_controller)
 

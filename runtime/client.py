@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,28 @@ class Client:
         self.address = address
         self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s)
         self.step_timeout_s = step_timeout_s
+        self.session = uuid.uuid4().hex
+        """This client's session: the jobs it submits live while it renews the session's lease."""
+        self._ended = threading.Event()
+        self._keepalive: threading.Thread | None = None
+
+    def _keep_alive(self) -> None:
+        """Renew the session's lease in the background from the first submission on (a daemon
+        thread: it ends with the process, and the controller then closes the jobs)."""
+        if self._keepalive is not None:
+            return
+
+        def loop():
+            interval = 1.0
+            while not self._ended.wait(interval):
+                try:
+                    reply = self._call("KeepAlive", pb.Session(session=self.session), timeout_s=10.0)
+                    interval = max(0.2, reply.lease_timeout_s / 4)
+                except Exception:  # noqa: BLE001 (the controller may be restarting: try again soon)
+                    interval = 1.0
+
+        self._keepalive = threading.Thread(target=loop, name="atoll-lease", daemon=True)
+        self._keepalive.start()
 
     def _call(self, method: str, request, timeout_s: float | None = None):
         return self._endpoint.call(method, request, timeout_s)
@@ -218,6 +241,7 @@ class Client:
         tensor_parallel_plan: dict[str, str] | None = None,
         sequence_parallel: bool = False,
         resume_from: str | os.PathLike = "",
+        detached: bool = False,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -265,6 +289,10 @@ class Client:
 
         ``resume_from`` names a checkpoint (``Job.save``): the job starts from its weights and
         optimizer state, whatever placement, stage count or tensor-parallel degree saved it.
+
+        The job belongs to this client: once the client stops renewing its lease (it closed, or
+        its process died), the controller closes the job after the lease timeout. ``detached=True``
+        keeps it until ``Job.close`` (from any client: ``client.job(job_id)``).
         """
         program = Program()
         x, y = program.input("input", example_input), program.input("target", example_target)
@@ -292,6 +320,7 @@ class Client:
             tensor_parallel_plan=dict(tensor_parallel_plan or {}),
             sequence_parallel=sequence_parallel,
             resume_from=os.fspath(resume_from),
+            detached=detached,
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
@@ -335,7 +364,9 @@ class Client:
             target=spec_to_pb(exported.target),
             aliases=exported.aliases,
             config=config.to_pb(),
+            session=self.session,
         )
+        self._keep_alive()
         reply = self._call("SubmitPipeline", request, timeout_s=600.0)
         return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
@@ -382,6 +413,9 @@ class Client:
         )
 
     def close(self) -> None:
+        """Disconnect. Jobs this client submitted (not detached) are closed by the controller once
+        the session's lease runs out (the controller's --lease-timeout, 30 s by default)."""
+        self._ended.set()
         self._endpoint.close()
 
     def __enter__(self) -> Client:

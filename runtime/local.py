@@ -50,6 +50,7 @@ class LocalCluster:
         startup_timeout_s: float = 90.0,
         heartbeat_timeout_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
+        lease_timeout_s: float = 30.0,
         keep_logs: bool = False,
         log_level: str = "WARNING",
         devices: list[str] | None = None,
@@ -68,6 +69,7 @@ class LocalCluster:
         self.startup_timeout_s = startup_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.lease_timeout_s = lease_timeout_s
         self.keep_logs = keep_logs
         self.log_level = log_level
         self.address = ""
@@ -138,6 +140,8 @@ class LocalCluster:
                     str(self.heartbeat_timeout_s),
                     "--heartbeat-interval",
                     str(self.heartbeat_interval_s),
+                    "--lease-timeout",
+                    str(self.lease_timeout_s),
                 ],
             )
             self.address = self._wait_file(ready, self.controller, deadline)

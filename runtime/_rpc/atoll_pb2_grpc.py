@@ -64,6 +64,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveReply.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/atoll.v1.Controller/KeepAlive',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Session.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.KeepAliveReply.FromString,
+                _registered_method=True)
         self.GetPlan = channel.unary_unary(
                 '/atoll.v1.Controller/GetPlan',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.JobRef.SerializeToString,
@@ -130,7 +135,13 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request, context):
-        """every worker writes its own tensors (runtime/core/checkpoint.py)
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """a client renews the lease of its jobs (controller/leases.py)  // every worker writes its own tensors (runtime/core/checkpoint.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,6 +215,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Save,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.SaveRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.SaveReply.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Session.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.KeepAliveReply.SerializeToString,
             ),
             'GetPlan': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPlan,
@@ -398,6 +414,33 @@ class Controller:
             '/atoll.v1.Controller/Save',
             atoll_dot___rpc_dot_atoll__pb2.SaveRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.SaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/KeepAlive',
+            atoll_dot___rpc_dot_atoll__pb2.Session.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.KeepAliveReply.FromString,
             options,
             channel_credentials,
             insecure,

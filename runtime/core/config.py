@@ -74,6 +74,9 @@ class JobConfig:
     resume_from: str = ""
     """A checkpoint directory (``Job.save``): the job starts from its weights and optimizer state,
     whatever layout saved them."""
+    detached: bool = False
+    """Keep the job when the client that submitted it goes away (by default it is closed once the
+    client's lease runs out, controller/leases.py)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
