@@ -89,6 +89,7 @@ class SimulatedDaemon:
                 ),
             )
             self._ids.append(reply.worker_id)
+            self.relay.use_controller_key(reply.controller_key)
             self._interval = reply.heartbeat_interval_s or 1.0
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
 

@@ -131,8 +131,8 @@ def _requests(calls: list[Call]) -> list:
 
 
 class Dispatcher:
-    def __init__(self, token: str, fanout: int = RELAY_FANOUT):
-        self._calls = AsyncCalls(token, pb_grpc.WorkerStub)
+    def __init__(self, token: str, fanout: int = RELAY_FANOUT, controller_key: str = ""):
+        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key)
         self.fanout = fanout
 
     def submit(self, calls: list[Call], timeout_s: float) -> Pending:

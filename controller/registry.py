@@ -45,8 +45,10 @@ class Registry:
         heartbeat_timeout_s: float,
         rpc_timeout_s: float,
         on_death: Callable[[WorkerRecord], None],
+        controller_key: str = "",
     ):
         self._token = token
+        self._controller_key = controller_key
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
@@ -74,7 +76,9 @@ class Registry:
                 gpu_uuid=req.gpu_uuid,
                 island=req.island or req.host,
                 value_address=req.value_address,
-                endpoint=Endpoint(req.address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s),
+                endpoint=Endpoint(
+                    req.address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s, self._controller_key
+                ),
             )
             self._workers[record.worker_id] = record
         for old in replaced:

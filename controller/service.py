@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -71,17 +72,20 @@ class ControllerService(pb_grpc.ControllerServicer):
     ):
         self.leases = Leases(lease_timeout_s)
         self._stopped = threading.Event()
+        self.controller_key = secrets.token_hex(16)
+        """Given to workers as they register; every call to them carries it (runtime/worker.py)."""
         self.registry = Registry(
             token=token,
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             rpc_timeout_s=rpc_timeout_s,
             on_death=self._worker_died,
+            controller_key=self.controller_key,
         )
         self.store_port = store_port
         self.load_timeout_s = load_timeout_s
         self.step_timeout_s = step_timeout_s
-        self.dispatcher = Dispatcher(token)
+        self.dispatcher = Dispatcher(token, controller_key=self.controller_key)
         self.gang = GangScheduler()
         self._jobs: dict[str, Job] = {}
         self._closed: set[str] = set()  # ids only: a closed job's plan and weights are dropped
@@ -109,7 +113,9 @@ class ControllerService(pb_grpc.ControllerServicer):
         with self._lock:
             self.admission.released()  # a queued request may fit now
         return pb.RegisterWorkerReply(
-            worker_id=record.worker_id, heartbeat_interval_s=self.registry.heartbeat_interval_s
+            worker_id=record.worker_id,
+            heartbeat_interval_s=self.registry.heartbeat_interval_s,
+            controller_key=self.controller_key,
         )
 
     @rpc_handler

@@ -15,6 +15,7 @@ from atoll.errors import (
     JobFailed,
     NotEnoughWorkers,
     NotFound,
+    NotPermitted,
     Unauthenticated,
     WorkerUnavailable,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "LocalCluster",
     "NotEnoughWorkers",
     "NotFound",
+    "NotPermitted",
     "Plan",
     "Program",
     "RemoteValue",

@@ -60,8 +60,21 @@ def resolve_token(
     )
 
 
-def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+CONTROLLER_KEY = "atoll-controller-key"
+
+
+def call_metadata(token: str, controller_key: str = "") -> tuple[tuple[str, str], ...]:
+    """The token, and for the controller's calls to workers (and workers relaying them) the key
+    the controller gave its workers when they registered."""
+    if controller_key:
+        return ((METADATA_KEY, f"Bearer {token}"), (CONTROLLER_KEY, controller_key))
     return ((METADATA_KEY, f"Bearer {token}"),)
+
+
+def from_controller(context: grpc.ServicerContext, expected: str) -> bool:
+    """Whether a call carries the key of the controller this worker registered with."""
+    presented = dict(context.invocation_metadata() or ()).get(CONTROLLER_KEY, "")
+    return bool(expected) and hmac.compare_digest(presented.encode(), expected.encode())
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -74,11 +74,11 @@ def rpc_stream_handler(method):
 class Endpoint:
     """A connection to one daemon: every call carries the token and a deadline."""
 
-    def __init__(self, address: str, token: str, stub_class, default_timeout_s: float = 60.0):
+    def __init__(self, address: str, token: str, stub_class, default_timeout_s: float = 60.0, controller_key: str = ""):
         self.address = address
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = stub_class(self._channel)
-        self._metadata = call_metadata(token)
+        self._metadata = call_metadata(token, controller_key)
         self.default_timeout_s = default_timeout_s
 
     def call(self, method: str, request, timeout_s: float | None = None):
@@ -121,13 +121,18 @@ class AsyncCalls:
     a thread per call would cost more, and a bounded pool of them could deadlock by queuing
     part of a step behind its own waiting calls."""
 
-    def __init__(self, token: str, stub_class):
-        self._metadata = call_metadata(token)
+    def __init__(self, token: str, stub_class, controller_key: str = ""):
+        self._token = token
+        self._metadata = call_metadata(token, controller_key)
         self._stub_class = stub_class
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
+
+    def use_controller_key(self, key: str) -> None:
+        """Carry the controller's key from now on (a worker relaying the controller's steps)."""
+        self._metadata = call_metadata(self._token, key)
 
     def call(self, address: str, method: str, request, timeout_s: float) -> futures.Future:
         """Start the call now; a Future of its reply, or of its atoll error."""

@@ -90,6 +90,10 @@ class Relay:
         self._run_own = run_own
         self._calls = AsyncCalls(token, pb_grpc.WorkerStub)
 
+    def use_controller_key(self, key: str) -> None:
+        """Relay with the key of the controller this worker registered with (runtime/worker.py)."""
+        self._calls.use_controller_key(key)
+
     def run(self, group: pb.RunStepGroupRequest) -> pb.RunStepGroupReply:
         try:
             spans = children(group.members)

@@ -29,6 +29,13 @@ class Unauthenticated(AtollError, PermissionError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class NotPermitted(AtollError, PermissionError):
+    """The caller is authenticated, but may not make this call (a worker's work comes only from
+    the controller it registered with)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotEnoughWorkers(AtollError):
     """The program needs more live workers than the cluster has free."""
 
@@ -63,6 +70,7 @@ _BY_CODE = {
         JobFailed,
         WorkerUnavailable,
         DeadlineExceeded,
+        NotPermitted,
     )
 }
 

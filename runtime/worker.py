@@ -6,6 +6,7 @@ controller. Stage programs arrive as exported graphs and load with pickle refuse
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from atoll._auth import from_controller
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
 from atoll._grpc import Endpoint, make_server, rpc_handler, rpc_stream_handler
@@ -34,7 +36,7 @@ from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
 from atoll.core.shards import ParamShard
 from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
-from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound
+from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound, NotPermitted
 
 log = logging.getLogger("atoll.worker")
 
@@ -60,6 +62,20 @@ def _check_plan(routes: Routes, request: pb.LoadPlanRequest) -> None:
             raise ValueError(f"tied parameter {t.name} names a stage outside 0..{n - 1}")
 
 
+def controller_only(method):
+    """Work (plans, steps, state, values) comes only from the controller this worker registered
+    with: its calls carry the key it gave at registration. Another holder of the cluster token
+    (a client, a fuzzer) gets PERMISSION_DENIED, and the worker's gang order is untouched."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        if not from_controller(context, self.controller_key):
+            raise NotPermitted(f"{method.__name__}: only the controller this worker registered with may call it")
+        return method(self, request, context)
+
+    return wrapped
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, *, device: str, host: str, controller_host: str, token: str, bind_host: str | None = None):
         self.device = torch.device(device)
@@ -72,6 +88,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
         self.relay = Relay(token, self._step_in_turn)
+        self.controller_key = ""
+        """Set at registration: the key the controller's calls carry (``controller_only``)."""
 
     def _job(self, job_id: str) -> PipelineExecutor:
         with self._lock:
@@ -88,6 +106,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             executor.close()
 
     @rpc_handler
+    @controller_only
     def LoadPlan(self, request: pb.LoadPlanRequest, context):
         with self.turnstile.turn(request.gang_seq):
             return self._load(request)
@@ -244,15 +263,18 @@ class WorkerService(pb_grpc.WorkerServicer):
             return self._step(request)
 
     @rpc_handler
+    @controller_only
     def RunStep(self, request: pb.RunStepRequest, context):
         return self._step_in_turn(request)
 
     @rpc_handler
+    @controller_only
     def RunStepGroup(self, request: pb.RunStepGroupRequest, context):
         """This worker's part of a step, and the other members' relayed to them (runtime/_relay.py)."""
         return self.relay.run(request)
 
     @rpc_stream_handler
+    @controller_only
     def RunStepStream(self, request: pb.RunStepRequest, context):
         """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
         with self.turnstile.turn(request.gang_seq):
@@ -301,6 +323,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pull(ref.address, self._token, ref.value_id, timeout_s)
 
     @rpc_handler
+    @controller_only
     def PutValue(self, request: pb.PutValueRequest, context):
         self.values.put(request.value_id, tensor_from_pb(request.tensor, "value"))
         return pb.Empty()
@@ -310,11 +333,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         return tensor_to_pb(self.values.get(request.value_id))
 
     @rpc_handler
+    @controller_only
     def FreeValue(self, request: pb.RemoteRef, context):
         self.values.free(request.value_id)
         return pb.Empty()
 
     @rpc_handler
+    @controller_only
     def GetState(self, request: pb.GetStateRequest, context):
         with self.turnstile.turn(request.gang_seq):
             # serialized inside the turn: a queued step must not update weights mid-read
@@ -322,6 +347,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
 
     @rpc_handler
+    @controller_only
     def SaveState(self, request: pb.SaveStateRequest, context):
         """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
         with self.turnstile.turn(request.gang_seq):
@@ -332,6 +358,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.SaveStateReply(keys_json=json.dumps(keys))
 
     @rpc_handler
+    @controller_only
     def LoadState(self, request: pb.LoadStateRequest, context):
         """Load the job's weights and optimizer state from a committed checkpoint version, cut for
         this worker's place in the job's layout."""
@@ -348,6 +375,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return pb.Empty()
 
     @rpc_handler
+    @controller_only
     def Unload(self, request: pb.JobRef, context):
         with self._lock:
             executor = self._jobs.pop(request.job_id, None)
@@ -412,6 +440,8 @@ class WorkerDaemon:
             log.warning("registering again as %s; dropping the jobs of %s", reply.worker_id, self.worker_id)
             self.service.drop_all_jobs()
         self.worker_id = reply.worker_id
+        self.service.controller_key = reply.controller_key
+        self.service.relay.use_controller_key(reply.controller_key)
         self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
         log.info("registered as %s at %s", self.worker_id, self.address)

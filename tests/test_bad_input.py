@@ -14,6 +14,7 @@ from atoll._auth import call_metadata
 from atoll._export import export_pipeline
 from atoll._rpc import atoll_pb2 as pb
 from atoll.core.config import JobConfig
+from atoll.core.graphs import FORCE_WEIGHTS_ONLY_ENV, deserialize
 from atoll.core.wire import spec_to_pb
 from tests import models
 
@@ -207,14 +208,14 @@ def _poisoned(archive: bytes, marker: str) -> bytes:
     return out.getvalue()
 
 
-def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
+def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job, monkeypatch):
     exported = _small_export()
     marker = tmp_path / "pwned"
     program = _program(exported)
     program.model_program = _poisoned(exported.model, str(marker))
     with pytest.raises(atoll.InvalidInput, match="arbitrary pickled objects are refused"):
         client4._call("SubmitPipeline", program)
-    # and a worker handed the same archive directly refuses it too
+    # a worker handed the same archive directly, not by its controller, refuses it unread ...
     worker = client4.status().workers[0]
     channel = grpc.insecure_channel(worker.address)
     load = channel.unary_unary(
@@ -230,7 +231,12 @@ def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job):
     )
     with pytest.raises(grpc.RpcError) as err:
         load(request, metadata=call_metadata(cluster4.token), timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "only the controller this worker registered with" in err.value.details()
     channel.close()
+    # ... and the loader a worker runs on its controller's plans refuses it as the controller did
+    monkeypatch.setenv(FORCE_WEIGHTS_ONLY_ENV, "1")
+    with pytest.raises(atoll.InvalidInput, match="arbitrary pickled objects are refused"):
+        deserialize(program.model_program, "stage 0 program")
     assert not marker.exists()
     still_serving(*mlp_job)
