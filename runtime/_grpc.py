@@ -13,7 +13,7 @@ from concurrent import futures
 
 import grpc
 
-from atoll import errors
+from atoll import _tls, errors
 from atoll._auth import TokenInterceptor, call_metadata
 
 log = logging.getLogger("atoll")
@@ -26,6 +26,14 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _channel(api, address: str, tls: _tls.Tls | None):
+    """A channel of ``api`` (grpc or grpc.aio) to ``address``, over TLS when the process or the
+    caller has it."""
+    if tls is None:
+        return api.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return api.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+
+
 def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tuple[grpc.Server, int]:
     """A started-later server bound to host:port (port 0 picks a free one); returns the bound port."""
     server = grpc.server(
@@ -33,7 +41,11 @@ def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tup
         interceptors=[TokenInterceptor(token)],
         options=CHANNEL_OPTIONS,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    tls = _tls.current()
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise errors.WorkerUnavailable(f"could not bind {host}:{port}")
     return server, bound
@@ -74,9 +86,17 @@ def rpc_stream_handler(method):
 class Endpoint:
     """A connection to one daemon: every call carries the token and a deadline."""
 
-    def __init__(self, address: str, token: str, stub_class, default_timeout_s: float = 60.0, controller_key: str = ""):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        stub_class,
+        default_timeout_s: float = 60.0,
+        controller_key: str = "",
+        tls: _tls.Tls | None = None,
+    ):
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = _channel(grpc, address, _tls.current(tls))
         self._stub = stub_class(self._channel)
         self._metadata = call_metadata(token, controller_key)
         self.default_timeout_s = default_timeout_s
@@ -141,7 +161,7 @@ class AsyncCalls:
     async def _call(self, address: str, method: str, request, timeout_s: float):
         entry = self._channels.get(address)  # only touched on the loop's thread
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = _channel(grpc.aio, address, _tls.current())
             entry = self._channels[address] = (channel, self._stub_class(channel))
         try:
             return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)

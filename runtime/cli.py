@@ -45,7 +45,15 @@ def _serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int |
     os._exit(0)
 
 
+def _use_tls(args) -> None:
+    """Set the daemon's TLS before it binds or dials anything."""
+    from atoll import _tls
+
+    _tls.use(_tls.Tls.from_files(args.tls_ca, args.tls_cert, args.tls_key))
+
+
 def _controller(args) -> None:
+    _use_tls(args)
     from atoll.controller.daemon import ControllerConfig, ControllerDaemon
 
     daemon = ControllerDaemon(
@@ -66,6 +74,7 @@ def _controller(args) -> None:
 
 
 def _worker(args) -> None:
+    _use_tls(args)
     import torch
 
     from atoll._auth import resolve_token
@@ -115,6 +124,9 @@ def _add_common(p, with_daemon: bool = True) -> None:
             "--allow-pickle", action="store_true", help="UNSAFE: let programs carry arbitrary pickled objects"
         )
         p.add_argument("--log-level", default="WARNING")
+        p.add_argument("--tls-cert", default=None, help="PEM certificate this daemon serves gRPC with")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+        p.add_argument("--tls-ca", default=None, help="PEM CA the cluster's certificates chain to (enables TLS)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from atoll._export import as_leaves, export_pipeline
 from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll._tls import Tls
 from atoll.core.config import JobConfig
 from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
 from atoll.errors import InvalidInput
@@ -181,9 +182,17 @@ class Job:
 
 
 class Client:
-    def __init__(self, address: str, token: str, *, timeout_s: float = 120.0, step_timeout_s: float = 900.0):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        *,
+        timeout_s: float = 120.0,
+        step_timeout_s: float = 900.0,
+        tls: Tls | None = None,
+    ):
         self.address = address
-        self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s)
+        self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s, tls=tls)
         self.step_timeout_s = step_timeout_s
         self.session = uuid.uuid4().hex
         """This client's session: the jobs it submits live while it renews the session's lease."""
@@ -426,10 +435,20 @@ class Client:
 
 
 def connect(
-    address: str, token: str | None = None, *, token_file: str | None = None, timeout_s: float = 120.0
+    address: str,
+    token: str | None = None,
+    *,
+    token_file: str | None = None,
+    timeout_s: float = 120.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Client:
-    """A client of the controller at ``address``; the token defaults to $ATOLL_TOKEN or the token file."""
-    return Client(address, resolve_token(token, token_file), timeout_s=timeout_s)
+    """A client of the controller at ``address``; the token defaults to $ATOLL_TOKEN or the token
+    file. ``tls_ca`` (a PEM file) connects over TLS to a controller started with ``--tls-*``;
+    ``tls_cert``/``tls_key`` present a client certificate."""
+    tls = Tls.from_files(tls_ca, tls_cert, tls_key)
+    return Client(address, resolve_token(token, token_file), timeout_s=timeout_s, tls=tls)
 
 
 def _batch(value, what: str) -> tuple[list[pb.TensorData], list[pb.RemoteRef]]:

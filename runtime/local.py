@@ -51,6 +51,7 @@ class LocalCluster:
         heartbeat_timeout_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
         lease_timeout_s: float = 30.0,
+        tls: tuple[str, str, str] | None = None,
         keep_logs: bool = False,
         log_level: str = "WARNING",
         devices: list[str] | None = None,
@@ -70,6 +71,9 @@ class LocalCluster:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lease_timeout_s = lease_timeout_s
+        self.tls = tls
+        """(CA, certificate, key) PEM files: every daemon serves and dials gRPC over TLS, and
+        ``client()`` trusts the CA."""
         self.keep_logs = keep_logs
         self.log_level = log_level
         self.address = ""
@@ -88,11 +92,16 @@ class LocalCluster:
         self._logs.append(log)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        tls = []
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            tls = ["--tls-ca", str(ca), "--tls-cert", str(cert), "--tls-key", str(key)]
         cmd = [
             sys.executable,
             "-m",
             "atoll.cli",
             *args,
+            *tls,
             "--exit-with-parent",
             str(os.getpid()),
             "--log-level",
@@ -184,7 +193,7 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def client(self) -> Client:
-        return connect(self.address, self.token)
+        return connect(self.address, self.token, tls_ca=str(self.tls[0]) if self.tls else None)
 
     def kill_worker(self, index: int) -> int:
         """SIGKILL one worker (to test failure handling); returns its PID."""
