@@ -146,7 +146,13 @@ class ControllerService(pb_grpc.ControllerServicer):
         return place(self.registry.live(), held, ranks, device, islands, exclusive)
 
     def _load_request(
-        self, job_id: str, compiled: CompiledPipeline, at: tuple[int, int, int], peers: list[str], groups: list[str]
+        self,
+        job_id: str,
+        compiled: CompiledPipeline,
+        at: tuple[int, int, int],
+        peers: list[str],
+        groups: list[str],
+        namespace: str,
     ) -> pb.LoadPlanRequest:
         """The worker at ``at`` = (replica, pipeline rank, island rank). Each chain of the pipeline
         (a replica's island rank ``tp`` of every stage) meets in a namespace of its own; each
@@ -161,7 +167,10 @@ class ControllerService(pb_grpc.ControllerServicer):
             for s in compiled.stages
             if s.rank == rank
         ]
-        chain = f"{job_id}/" if topo.data_parallel == topo.tensor_parallel == 1 else f"{job_id}/r{replica}t{tp}/"
+        # the job's keys in the store live under a secret name: the store checks no credentials, so
+        # only holders of the plan (sent over the authenticated control plane) can find them
+        space = f"{job_id}-{namespace}"
+        chain = f"{space}/" if topo.data_parallel == topo.tensor_parallel == 1 else f"{space}/r{replica}t{tp}/"
         edges, tied = compiled.dataflow.to_pb()
         holds_last = topo.rank_of(topo.num_stages - 1) == rank
         return pb.LoadPlanRequest(
@@ -171,9 +180,9 @@ class ControllerService(pb_grpc.ControllerServicer):
             store_address=f":{self.store_port}",
             store_prefix=chain,
             replica=replica,
-            replica_group_prefix=f"{job_id}/dp{rank}t{tp}/",
+            replica_group_prefix=f"{space}/dp{rank}t{tp}/",
             tp_rank=tp,
-            tp_group_prefix=f"{job_id}/tp{replica}.{rank}/",
+            tp_group_prefix=f"{space}/tp{replica}.{rank}/",
             stages=stages,
             loss_program=compiled.loss_programs[tp] if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
@@ -240,11 +249,12 @@ class ControllerService(pb_grpc.ControllerServicer):
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
-        calls = []
+        calls, namespace = [], secrets.token_hex(16)
         for i, w in enumerate(workers):
             d, r, tp = topo.coordinates(i)
             _, peers, groups = chains[d, tp]
-            calls.append(Call(w, "LoadPlan", self._load_request(job_id, compiled, (d, r, tp), peers[r], groups)))
+            request = self._load_request(job_id, compiled, (d, r, tp), peers[r], groups, namespace)
+            calls.append(Call(w, "LoadPlan", request))
         try:
             self._dispatch_ordered(calls, self.load_timeout_s).replies()
             if cfg.resume_from:
