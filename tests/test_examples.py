@@ -9,6 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _plan(*args: str) -> str:
+    """What ``atoll plan examples/gpt_plan.py ARGS`` prints."""
+    run = [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", *args]
+    return subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=180).stdout
+
+
 def test_main_job_trains_and_the_loss_falls():
     run = subprocess.run(
         [sys.executable, "examples/train_gpt.py", "--steps", "12"],
@@ -41,33 +47,15 @@ def test_atoll_plan_prints_the_plan_without_a_cluster():
         )
         assert memory["peak_stashed_microbatches"] == 8
     assert plan["actions"]["3"][-1] == "3STEP"
-    text = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    ).stdout
+    text = _plan()
     assert "schedule 1f1b" in text and "rank 3:" in text and "predicted peak MiB per rank" in text
     assert "predicted bytes per training step" in text
-    layout = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", "--stages", "2", "--data-parallel", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    ).stdout
+    layout = _plan("--stages", "2", "--data-parallel", "2")
     assert "2 ranks x 1 chunk(s)" in layout and "2 data-parallel replicas" in layout, layout
     rows = [line for line in layout.splitlines() if line.startswith("  rank ") and "/" in line]
     all_reduced = [int(row.split("/")[2]) for row in rows]  # sent / received / all-reduced / island
     assert len(all_reduced) == 2 and all(n > 0 for n in all_reduced)  # each rank's gradients, averaged
-    sharded = subprocess.run(
-        [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", "--stages", "2", "--tensor-parallel", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    ).stdout
+    sharded = _plan("--stages", "2", "--tensor-parallel", "2")
     assert "layout: pipeline 2 x tensor 2 x data 1 = 4 workers" in sharded, sharded
     assert "colwise: " in sharded and "rowwise: " in sharded and "vocab_embedding: " in sharded
     rows = [line for line in sharded.splitlines() if line.startswith("  rank ") and "/" in line]
