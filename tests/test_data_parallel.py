@@ -18,11 +18,13 @@ OPTIMIZERS = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-3, "weigh
     [
         (models.mlp, 1, 0),
         (models.mlp, 2, 0),
+        (models.transformer, 1, 0),
+        (models.transformer, 1, 1),
         (models.transformer, 2, 0),
         (models.mlp, 2, 1),
         (models.transformer, 2, 1),
     ],
-    ids=["dp2", "pp2xdp2", "gpt-pp2xdp2", "pp2xdp2-zero1", "gpt-pp2xdp2-zero1"],
+    ids=["dp2", "pp2xdp2", "gpt-dp2", "gpt-dp2-zero1", "gpt-pp2xdp2", "pp2xdp2-zero1", "gpt-pp2xdp2-zero1"],
 )
 def test_data_parallel_replicas_match_single_process(client4, make_model, stages, zero, optimizer):
     model, batches, loss_fn = make_model()
