@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Protocol
 
 import torch
 from torch.library import custom_op
 
 
-class IslandGroup:
-    """What the ops need of the island: ``all_reduce(tensor, op)`` in place, with a deadline."""
+class IslandGroup(Protocol):
+    """What the ops need of the island (runtime/_transport.py's GlooTransport): an in-place
+    ``all_reduce`` ("sum" or "max") and an ``all_gather_into``, each waited for with a deadline."""
 
     rank: int
     world_size: int
