@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import math
 import operator
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +31,7 @@ from torch import fx
 from atoll.controller.sequence_parallel import SequencePlan, plan_sequence
 from atoll.controller.split import module_path
 from atoll.core import collectives
-from atoll.core.graphs import deserialize, serialize
+from atoll.core.graphs import deserialize, export
 from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
@@ -492,15 +491,6 @@ def _rewrite(
     return module
 
 
-def _export(module: fx.GraphModule, args: tuple, what: str) -> bytes:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return serialize(torch.export.export(module, args))
-    except Exception as e:
-        raise InvalidInput(f"{what} could not be exported after sharding: {type(e).__name__}: {e}") from None
-
-
 def _collectives(data: bytes) -> dict[str, list[dict]]:
     out = {"forward": [], "backward": []}
     for node in deserialize(data, "sharded program").graph.nodes:
@@ -574,13 +564,21 @@ def shard_stage(
     for t in range(ranks):
         local_inputs = tuple(inputs)
         module = _rewrite(gm, d, t, ranks, sp)
-        programs.append(_export(module, local_inputs, f"stage {index} (rank {t} of its island)"))
+        programs.append(
+            export(module, local_inputs, f"stage {index} (rank {t} of its island) could not be exported after sharding")
+        )
         if loss_programs is not None:
             out_local = _val(next(n for n in lgm.graph.nodes if n.op == "placeholder"))
             shape = list(out_local.shape)
             shape[d.output_dims[0]] //= ranks
             args = (torch.zeros(shape, dtype=out_local.dtype), *(s.empty("cpu").zero_() for s in target_spec.tensors))
-            loss_out.append(_export(_rewrite(lgm, loss_programs, t, ranks), args, f"the loss (rank {t})"))
+            loss_out.append(
+                export(
+                    _rewrite(lgm, loss_programs, t, ranks),
+                    args,
+                    f"the loss (rank {t}) could not be exported after sharding",
+                )
+            )
     roles = dict(d.replicated)
     roles.update({module_path(n) or n.name: "colwise" for n in d.column})
     roles.update({module_path(n) or n.name: "vocab_head" for n in d.output_origins})

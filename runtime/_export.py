@@ -7,13 +7,12 @@ code.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from atoll.core.graphs import serialize
+from atoll.core.graphs import export
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
@@ -88,15 +87,6 @@ def split_names(model: nn.Module, split_points) -> list[str]:
     return names
 
 
-def _export(module: nn.Module, args: tuple, what: str) -> bytes:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return serialize(torch.export.export(module, args))
-    except Exception as e:
-        raise InvalidInput(f"torch.export failed for {what}: {type(e).__name__}: {e}") from None
-
-
 def export_pipeline(model: nn.Module, example_input, example_target, loss_fn, microbatches: int) -> ExportedPipeline:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise InvalidInput(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -104,12 +94,12 @@ def export_pipeline(model: nn.Module, example_input, example_target, loss_fn, mi
         raise InvalidInput(f"model must be an nn.Module, got {type(model).__name__}")
     x = _microbatch(example_input, microbatches, "example_input")
     target = _microbatch(example_target, microbatches, "example_target")
-    program = _export(model, (x,), f"the model ({type(model).__name__})")
+    program = export(model, (x,), f"torch.export failed for the model ({type(model).__name__})")
     with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the model's state and RNG stay as they were
         state = {k: v.clone() for k, v in model.state_dict().items()}
         output = model(x)
         model.load_state_dict(state)
-    loss = _export(_Loss(loss_fn), (output, target), "loss_fn")
+    loss = export(_Loss(loss_fn), (output, target), "torch.export failed for loss_fn")
     spec = lambda value, what: EdgeSpec(what, tuple(TensorSpec.of(t) for t in as_leaves(value, what)))  # noqa: E731
     return ExportedPipeline(
         program, loss, spec(example_input, "input"), spec(example_target, "target"), shared_names(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,17 @@ def serialize(ep: torch.export.ExportedProgram) -> bytes:
     buf = io.BytesIO()
     torch.export.save(ep, buf)
     return buf.getvalue()
+
+
+def export(module: torch.nn.Module, args: tuple, failure: str) -> bytes:
+    """``module`` exported at ``args`` and serialized; a failure raises InvalidInput starting
+    ``failure`` (the client exporting a model, the compiler a stage or a sharded stage)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return serialize(torch.export.export(module, args))
+    except Exception as e:
+        raise InvalidInput(f"{failure}: {type(e).__name__}: {e}") from None
 
 
 def deserialize(data: bytes, what: str) -> torch.export.ExportedProgram:
