@@ -24,21 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from atoll.controller.graph_ops import ADDMM, LINEAR, SAME_SHAPE, VIEWS, aten
+from atoll.controller.graph_ops import tensor_value as _val
 from atoll.errors import InvalidInput
 
-aten = torch.ops.aten
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-ROW_LIKE = {aten.linear.default, aten.addmm.default}
-TOKENWISE = {
-    aten.layer_norm.default,
-    aten.dropout.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.alias.default,
-    aten.to.dtype,
-    aten.to.dtype_layout,
-    aten._to_copy.default,
-}
+TOKENWISE = {aten.layer_norm.default, *SAME_SHAPE}
 
 
 @dataclass(slots=True)
@@ -56,16 +46,11 @@ class SequencePlan:
     """Stage inputs sliced as they arrive."""
 
 
-def _val(node):
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _tokenwise(n: fx.Node, column: set) -> bool:
     """Code that treats every token alike: whole-row ops over the hidden dimension, or element-wise."""
     if n.target in TOKENWISE or torch.Tag.pointwise in getattr(n.target, "tags", ()):
         return True
-    return n.target in ROW_LIKE and n not in column  # a linear layer left whole
+    return n.target in (LINEAR, ADDMM) and n not in column  # a linear layer left whole
 
 
 def plan_sequence(gm: fx.GraphModule, ranks: int, column: set, row: set, embedding: set, sharded: dict) -> SequencePlan:

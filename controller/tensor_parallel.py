@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from atoll.controller.graph_ops import ADDMM, LINEAR, SAME_SHAPE, VIEWS, aten
+from atoll.controller.graph_ops import tensor_value as _val
 from atoll.controller.sequence_parallel import SequencePlan, plan_sequence
 from atoll.controller.split import module_path
 from atoll.core import collectives
@@ -35,24 +37,10 @@ from atoll.core.graphs import deserialize, export
 from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
-aten = torch.ops.aten
-LINEAR = aten.linear.default  # (x, weight [out, in], bias)
-ADDMM = aten.addmm.default  # (bias, x, weight [in, out]): transformers' Conv1D
 EMBEDDING = aten.embedding.default
-VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 CROSS_ENTROPY = aten.cross_entropy_loss.default
 SDPA = aten.scaled_dot_product_attention.default
-SAME_SHAPE = {
-    aten.dropout.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.alias.default,
-    aten.detach.default,
-    aten.to.dtype,
-    aten.to.dtype_layout,
-    aten._to_copy.default,
-}
 ROLES = ("colwise", "rowwise", "vocab_embedding", "replicate")
 _ops = torch.ops.atoll
 # per island op: the (direction, "in"/"out") of each collective it runs, as the bytes of its input or
@@ -119,11 +107,6 @@ class _Decisions:
     output_dims: dict = field(default_factory=dict)
     output_origins: frozenset = frozenset()
     replicated: dict = field(default_factory=dict)  # module -> reason
-
-
-def _val(node) -> torch.Tensor | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _shape(node) -> tuple[int, ...]:
