@@ -27,6 +27,7 @@ from atoll.core.config import DISPATCH_MODES, JobConfig
 from atoll.core.dataflow import BATCH, Dataflow, Routes, TiedParameter
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize
 from atoll.core.optim import validate_optimizer
+from atoll.core.shards import ParamShard
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
@@ -116,12 +117,15 @@ class CompiledPipeline:
         last = self.stages[-1].sharding
         return last.output_dims if last is not None else {}
 
+    @property
+    def cuts(self) -> dict[str, ParamShard]:
+        """Every parameter tensor parallelism cuts, and how (tied copies are cut alike)."""
+        return {n: c for s in self.stages if s.sharding for n, c in s.sharding.params.items()}
+
     def full_parameter(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         """A parameter from its island ranks' pieces (rank order); a whole one from rank 0."""
-        for s in self.stages:
-            if s.sharding is not None and name in s.sharding.params:
-                return s.sharding.params[name].join(shards)
-        return shards[0]
+        cut = self.cuts.get(name)
+        return cut.join(shards) if cut is not None else shards[0]
 
     def report(self, placement: dict[int, str] | None = None) -> dict:
         """The plan as plain data: placement, stages, edges, per-rank actions and grid, memory."""
@@ -160,9 +164,7 @@ class CompiledPipeline:
                         {
                             "tensor_parallel": {
                                 "modules": s.sharding.modules,
-                                "sharded_parameters": {
-                                    n: {"dim": p.dim, "blocks": list(p.blocks)} for n, p in s.sharding.params.items()
-                                },
+                                "sharded_parameters": {n: p.to_json() for n, p in s.sharding.params.items()},
                                 "collectives_per_microbatch": s.sharding.collectives,
                             }
                         }

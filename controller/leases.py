@@ -25,8 +25,7 @@ class Leases:
             seen = self._seen.get(session)
         return seen is None or time.monotonic() - seen > self.timeout_s
 
-    def forget(self, sessions: set[str]) -> None:
-        """Drop the sessions no job belongs to any more."""
+    def forget(self, session: str) -> None:
+        """Drop a session no job belongs to any more."""
         with self._lock:
-            for s in sessions:
-                self._seen.pop(s, None)
+            self._seen.pop(session, None)

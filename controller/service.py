@@ -524,10 +524,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         cfg = compiled.request.config
         manifest = {
             "step": step,
-            "layout": compiled.report()["layout"],
+            "layout": job.report["layout"],
             "optimizer": cfg.optimizer,
             "optimizer_args": cfg.optimizer_args,
-            "cuts": _cuts(compiled),
+            "cuts": {n: c.to_json() for n, c in compiled.cuts.items()},
             "files": [
                 {"file": files[i], "rank": topo.coordinates(i)[1], "tp": topo.coordinates(i)[2]}
                 | {"keys": json.loads(r.keys_json)}
@@ -545,7 +545,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             raise InvalidInput(
                 f"the checkpoint at {path} holds {manifest['optimizer']} state; this job uses {cfg.optimizer}"
             )
-        cuts = json.dumps(_cuts(job.compiled))
+        cuts = json.dumps({n: c.to_json() for n, c in job.compiled.cuts.items()})
         request = pb.LoadStateRequest(job_id=job.job_id, directory=str(version), cuts_json=cuts)
         self._dispatch_ordered([Call(w, "LoadState", request) for w in job.workers], self.load_timeout_s).replies()
         job.steps = manifest["step"]  # the job's training steps go on counting from the checkpoint's
@@ -595,7 +595,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             held = {j.session for j in self._jobs.values()}
         self.gate.forget(job.job_id)
         if job.session and job.session not in held:
-            self.leases.forget({job.session})
+            self.leases.forget(job.session)
 
     @rpc_handler
     def KeepAlive(self, request, context):
@@ -674,8 +674,3 @@ class ControllerService(pb_grpc.ControllerServicer):
         self._stopped.set()
         self.registry.stop()
         self.dispatcher.close()
-
-
-def _cuts(compiled: CompiledPipeline) -> dict:
-    """Parameter -> how the job's tensor parallelism cuts it (JSON)."""
-    return {n: c.to_json() for s in compiled.stages if s.sharding for n, c in s.sharding.params.items()}

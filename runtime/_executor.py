@@ -606,9 +606,10 @@ class PipelineExecutor:
                         raise InvalidInput(f"optimizer state {key!r} is a {type(value).__name__}, not a tensor")
             return {k: v.detach().clone() for k, v in out.items()}
 
-    def restore(self, reader, cuts: dict, rank: int, ranks: int) -> None:
+    def restore(self, reader, cuts: dict) -> None:
         """Load weights and optimizer state from a checkpoint ``reader`` (atoll.core.checkpoint),
-        cut for this worker's island rank ``rank`` of ``ranks`` where ``cuts`` says."""
+        cut for this worker's island rank where ``cuts`` says."""
+        rank, ranks = self.island_rank, self.island_size
 
         def local(key: str, name: str, like: torch.Tensor) -> torch.Tensor:
             """``key`` cut as ``like`` (a parameter or buffer) is held here; a 0-d state (a step

@@ -148,12 +148,16 @@ class Job:
         """One training step on a full batch; returns the mean microbatch loss."""
         return self.step_async(input, target).result()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
+    def _wait_for_sent_steps(self) -> None:
+        """Wait until every step this client has sent has ended (its own future reports errors)."""
         with self._lock:
             pending = list(self._pending)
         for future in pending:
             future.details()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
+        self._wait_for_sent_steps()
         reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
         return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
 
@@ -163,10 +167,7 @@ class Job:
         files under a JSON manifest, never through the client or the controller. The new version
         replaces the previous one only once complete. Restore with ``pipeline(..., resume_from=path)``,
         in any layout. Returns ``{"path", "version", "step"}``."""
-        with self._lock:
-            pending = list(self._pending)
-        for future in pending:
-            future.details()
+        self._wait_for_sent_steps()
         reply = self._client._call("Save", pb.SaveRequest(job_id=self.id, path=os.fspath(path)), timeout_s=600.0)
         return {"path": reply.path, "version": reply.version, "step": reply.step}
 

@@ -371,7 +371,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise InvalidInput(f"checkpoint {version}: {type(e).__name__}: {e}") from None
             reader = checkpoint.Reader(version, manifest)
-            executor.restore(reader, cuts, executor.island_rank, executor.island_size)
+            executor.restore(reader, cuts)
             return pb.Empty()
 
     @rpc_handler

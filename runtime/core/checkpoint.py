@@ -118,9 +118,6 @@ class Reader:
             for key in entry["keys"]:
                 self.where.setdefault(key, {}).setdefault(int(entry["tp"]), entry["file"])
 
-    def has(self, key: str) -> bool:
-        return key in self.where
-
     def _read(self, file: str, key: str) -> torch.Tensor:
         with safe_open(str(self.version / file), framework="pt") as f:
             return f.get_tensor(key)
