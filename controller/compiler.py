@@ -122,11 +122,6 @@ class CompiledPipeline:
         """Every parameter tensor parallelism cuts, and how (tied copies are cut alike)."""
         return {n: c for s in self.stages if s.sharding for n, c in s.sharding.params.items()}
 
-    def full_parameter(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        """A parameter from its island ranks' pieces (rank order); a whole one from rank 0."""
-        cut = self.cuts.get(name)
-        return cut.join(shards) if cut is not None else shards[0]
-
     def report(self, placement: dict[int, str] | None = None) -> dict:
         """The plan as plain data: placement, stages, edges, per-rank actions and grid, memory."""
         t = self.topology

@@ -470,22 +470,19 @@ class ControllerService(pb_grpc.ControllerServicer):
         with job.order:  # after every step the client has sent so far
             pending = self._dispatch_ordered(calls, self.step_timeout_s)
         replies = pending.replies()
-        if compiled.topology.tensor_parallel == 1:
-            tensors = {t.name: t for reply in replies for t in reply.tensors}  # a tied parameter comes from each holder
-        else:
-            pieces: dict[str, dict[int, pb.TensorData]] = {}
-            for i, reply in enumerate(replies):
-                for t in reply.tensors:
-                    pieces.setdefault(t.name, {})[compiled.topology.coordinates(i)[2]] = t.tensor
-            tensors = {
-                name: pb.NamedTensor(
-                    name=name,
-                    tensor=tensor_to_pb(
-                        compiled.full_parameter(name, [tensor_from_pb(by_rank[t], name) for t in sorted(by_rank)])
-                    ),
-                )
-                for name, by_rank in pieces.items()
-            }
+        pieces: dict[str, dict[int, pb.TensorData]] = {}  # name -> island rank -> tensor
+        for i, reply in enumerate(replies):
+            for t in reply.tensors:  # a tied parameter comes from each holder, alike
+                pieces.setdefault(t.name, {})[compiled.topology.coordinates(i)[2]] = t.tensor
+        cuts, tensors = compiled.cuts, {}
+        for name, by_rank in pieces.items():
+            cut = cuts.get(name)  # a tensor-parallel piece per island rank, joined here; else whole on each
+            whole = (
+                by_rank[0]
+                if cut is None
+                else tensor_to_pb(cut.join([tensor_from_pb(by_rank[t], name) for t in sorted(by_rank)]))
+            )
+            tensors[name] = pb.NamedTensor(name=name, tensor=whole)
         for alias, name in job.compiled.request.aliases.items():  # the model's other names of shared tensors
             if name in tensors:
                 tensors[alias] = pb.NamedTensor(name=alias, tensor=tensors[name].tensor)
