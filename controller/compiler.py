@@ -230,6 +230,12 @@ def compile_pipeline(req: PipelineRequest) -> CompiledPipeline:
         raise InvalidInput(
             "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
         )
+    if cfg.auto_resume and not cfg.checkpoint_path:
+        raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")
+    if cfg.auto_resume and cfg.zero:
+        raise InvalidInput("auto_resume needs checkpoints, which ZeRO-1 jobs do not have yet")
+    if cfg.checkpoint_every < 1:
+        raise InvalidInput(f"checkpoint_every must be a positive number of steps, got {cfg.checkpoint_every}")
     if not cfg.weight > 0:
         raise InvalidInput(f"weight must be positive, got {cfg.weight}")
     if not cfg.data_plane_timeout_s > 0:

@@ -37,10 +37,25 @@ class Job:
     loaded_at: float = field(default_factory=time.monotonic)
     session: str = ""
     """The client session whose lease keeps the job ("" for a detached job; controller/leases.py)."""
+    islands: tuple[str, ...] = ()
+    """Per worker index, the island it must be on ("" or absent: any); placement asks again on resume."""
+    journal: list[tuple[int, object, float]] = field(default_factory=list)
+    """An auto_resume job's training steps since its last checkpoint: (number, StepRequest, loss)."""
+    broken: str = ""
+    """Why an auto_resume job must be restored before its next step ("" while it is whole)."""
     worker_ids: frozenset[str] = field(init=False)
 
     def __post_init__(self):
         self.worker_ids = frozenset(w.worker_id for w in self.workers)
+
+    def move_to(self, workers: list[WorkerRecord]) -> None:
+        """Run on ``workers`` from now on (index = worker index, as at placement)."""
+        self.workers = workers
+        self.worker_ids = frozenset(w.worker_id for w in workers)
+
+    @property
+    def auto_resume(self) -> bool:
+        return self.compiled.request.config.auto_resume
 
     @property
     def dispatch_mode(self) -> str:

@@ -23,6 +23,7 @@ from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.leases import Leases
 from atoll.controller.placement import place
 from atoll.controller.registry import Registry, WorkerRecord
+from atoll.controller.resume import AutoResume
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
 from atoll.core import checkpoint
 from atoll.core.actions import STEP_MODES
@@ -57,7 +58,7 @@ def decode_program(request: pb.PipelineProgram) -> PipelineRequest:
     )
 
 
-class ControllerService(pb_grpc.ControllerServicer):
+class ControllerService(AutoResume, pb_grpc.ControllerServicer):
     def __init__(
         self,
         *,
@@ -100,7 +101,10 @@ class ControllerService(pb_grpc.ControllerServicer):
     def _worker_died(self, record: WorkerRecord) -> None:
         log.warning("%s is dead: %s", record.describe(), record.death)
         for job in self._jobs_of(record):
-            self._fail(job, f"{record.describe()} died: {record.death}")
+            if job.auto_resume and job.state in (JobState.READY, JobState.LOADING):
+                job.broken = f"{record.describe()} died: {record.death}"  # restored before its next step
+            else:
+                self._fail(job, f"{record.describe()} died: {record.death}")
 
     def _jobs_of(self, record: WorkerRecord) -> list[Job]:
         with self._lock:
@@ -224,24 +228,14 @@ class ControllerService(pb_grpc.ControllerServicer):
             workers = self.admission.admit(
                 ticket, lambda: self._place(topo.workers, cfg.device, islands, cfg.exclusive), cfg.admission_timeout_s
             )
-            chains = {}  # per (replica, island rank): the pipeline's (edges, peers, groups)
-            for d in range(topo.data_parallel):
-                for tp in range(topo.tensor_parallel):
-                    chain = [workers[i] for i in topo.pipeline_workers(d, tp)]
-                    edges = edge_transports(compiled.routes, chain, cfg.transport)
-                    peers = peer_transports(edges, topo.ranks)
-                    # process groups are joined by every rank of the pipeline or by none
-                    groups = sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)
-                    chains[d, tp] = (edges, peers, groups)
             job_id = f"job{next(self._job_ids)}"
-            report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
-            report["edges"], _, report["groups"] = chains[0, 0]
             job = Job(
                 job_id=job_id,
                 name=compiled.request.config.name or job_id,
                 compiled=compiled,
                 workers=workers,
-                report=report,
+                report={},
+                islands=islands,
                 session="" if cfg.detached else request.session,
             )
             if job.session:
@@ -249,16 +243,10 @@ class ControllerService(pb_grpc.ControllerServicer):
             self._jobs[job_id] = job
             for w in workers:
                 w.jobs.add(job_id)
-        calls, namespace = [], secrets.token_hex(16)
-        for i, w in enumerate(workers):
-            d, r, tp = topo.coordinates(i)
-            _, peers, groups = chains[d, tp]
-            request = self._load_request(job_id, compiled, (d, r, tp), peers[r], groups, namespace)
-            calls.append(Call(w, "LoadPlan", request))
         try:
-            self._dispatch_ordered(calls, self.load_timeout_s).replies()
-            if cfg.resume_from:
-                report["resumed_from"] = self._restore(job, cfg.resume_from)
+            self._load(job, cfg.resume_from)
+            if cfg.auto_resume:  # there is always a checkpoint to resume from
+                self._checkpoint(job)
         except (DispatchError, InvalidInput) as e:
             job.fail(f"loading failed: {e}")
             self._unload(job, wait=True)
@@ -268,8 +256,37 @@ class ControllerService(pb_grpc.ControllerServicer):
                 raise InvalidInput(f"job {job_id} could not be loaded: {e}") from None
             raise JobFailed(f"job {job_id} could not be loaded: {e}") from None
         job.state, job.loaded_at = JobState.READY, time.monotonic()
-        log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in workers))
-        return pb.SubmitReply(job_id=job_id, plan_json=json.dumps(report))
+        log.info("job %s ready on %s", job_id, ", ".join(w.worker_id for w in job.workers))
+        return pb.SubmitReply(job_id=job_id, plan_json=json.dumps(job.report))
+
+    def _load(self, job: Job, resume_from: str = "") -> None:
+        """Load the job's plan on its workers (``job.workers``), in a data-plane namespace of its
+        own, then their state from the checkpoint at ``resume_from`` if one is named."""
+        compiled, workers = job.compiled, job.workers
+        cfg, topo = compiled.request.config, compiled.topology
+        chains = {}  # per (replica, island rank): the pipeline's (edges, peers, groups)
+        for d in range(topo.data_parallel):
+            for tp in range(topo.tensor_parallel):
+                chain = [workers[i] for i in topo.pipeline_workers(d, tp)]
+                edges = edge_transports(compiled.routes, chain, cfg.transport)
+                peers = peer_transports(edges, topo.ranks)
+                # process groups are joined by every rank of the pipeline or by none
+                groups = sorted({t for row in peers.values() for t in row} & GROUP_TRANSPORTS)
+                chains[d, tp] = (edges, peers, groups)
+        report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
+        report["edges"], _, report["groups"] = chains[0, 0]
+        if "restores" in job.report:  # an auto_resume job's history (controller/resume.py)
+            report["restores"] = job.report["restores"]
+        job.report = report
+        calls, namespace = [], secrets.token_hex(16)
+        for i, w in enumerate(workers):
+            d, r, tp = topo.coordinates(i)
+            _, peers, groups = chains[d, tp]
+            request = self._load_request(job.job_id, compiled, (d, r, tp), peers[r], groups, namespace)
+            calls.append(Call(w, "LoadPlan", request))
+        self._dispatch_ordered(calls, self.load_timeout_s).replies()
+        if resume_from:
+            report["resumed_from"] = self._restore(job, resume_from)
 
     @staticmethod
     def _check_batch(spec: EdgeSpec, tensors, refs=()) -> None:
@@ -292,55 +309,15 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def Step(self, request, context):
         job = self._ready_job(request.job_id)
-        topo = job.compiled.topology
-        readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
         with job.order:  # steps go out in the client's order, each as soon as its turn comes
             seq = request.seq or job.next_seq
             self._await_turn(job, seq)
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self._ready_job(request.job_id)  # a worker may have died while this step waited
-                mode = request.mode or "train"
-                if mode not in STEP_MODES:
-                    raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
-                input_refs = self._resolve_refs(request.input_refs)
-                target_refs = self._resolve_refs(request.target_refs)
-                self._check_batch(job.compiled.request.input, request.inputs, input_refs)
-                if mode == "forward":
-                    if request.targets or target_refs:
-                        raise InvalidInput("a forward step takes no target")
-                else:
-                    self._check_batch(job.compiled.request.target, request.targets, target_refs)
-                if request.keep_outputs and mode != "forward":
-                    raise InvalidInput("only a forward step keeps its output on the workers")
-                replicas = topo.data_parallel
-                if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
-                    raise InvalidInput(
-                        "a data- or tensor-parallel job takes and returns tensors, not remote values (not built yet)"
-                    )
-                common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
-                own = {}  # the requests of the workers that read the batch or hold the last stage
-                for d in range(replicas):  # each replica reads its own rows of the batch
-                    inputs = [shard_rows(t, d, replicas) for t in request.inputs]
-                    targets = [shard_rows(t, d, replicas) for t in request.targets]
-                    for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
-                        own[topo.worker(d, r, tp)] = pb.RunStepRequest(
-                            job_id=job.job_id,
-                            step=seq - 1,
-                            inputs=inputs if r in readers else [],
-                            targets=targets if r == last else [],
-                            input_refs=input_refs if r in readers else [],
-                            target_refs=target_refs if r == last else [],
-                            keep_outputs=request.keep_outputs and r == last,
-                            mode=mode,
-                        )
-                calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
-                # fair between jobs sharing workers (controller/fairness.py), then in gang order
-                self.gate.enter(job.job_id, job.worker_ids, job.weight)
-                try:
-                    pending = self._dispatch_ordered(calls, self.step_timeout_s, job.dispatch_mode, common)
-                except BaseException:
-                    self.gate.leave(job.job_id)
-                    raise
+                mode = self._check_step(job, request)
+                if job.auto_resume:  # one step at a time, holding the order: a failure is repaired in place
+                    return self._resilient_step(job, seq, request, mode)
+                pending = self._dispatch_step(job, seq, request, mode)
             finally:
                 job.next_seq = seq + 1
                 job.order.notify_all()
@@ -357,6 +334,65 @@ class ControllerService(pb_grpc.ControllerServicer):
         if mode == "train":  # status counts training steps
             with job.order:
                 job.steps += 1
+        return self._step_reply(job, seq, replies)
+
+    def _check_step(self, job: Job, request: pb.StepRequest) -> str:
+        """The step's mode, once its batch matches the job's specs; raises InvalidInput otherwise."""
+        topo = job.compiled.topology
+        mode = request.mode or "train"
+        if mode not in STEP_MODES:
+            raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
+        input_refs, target_refs = request.input_refs, request.target_refs  # their holders: at dispatch
+        self._check_batch(job.compiled.request.input, request.inputs, input_refs)
+        if mode == "forward":
+            if request.targets or target_refs:
+                raise InvalidInput("a forward step takes no target")
+        else:
+            self._check_batch(job.compiled.request.target, request.targets, target_refs)
+        if request.keep_outputs and mode != "forward":
+            raise InvalidInput("only a forward step keeps its output on the workers")
+        if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
+            raise InvalidInput(
+                "a data- or tensor-parallel job takes and returns tensors, not remote values (not built yet)"
+            )
+        return mode
+
+    def _dispatch_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str):
+        """Send step ``seq`` to every worker of the job, in gang order; the caller waits for the
+        replies and then calls ``self.gate.leave(job.job_id)``."""
+        topo = job.compiled.topology
+        readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
+        input_refs = self._resolve_refs(request.input_refs)
+        target_refs = self._resolve_refs(request.target_refs)
+        replicas = topo.data_parallel
+        common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
+        own = {}  # the requests of the workers that read the batch or hold the last stage
+        for d in range(replicas):  # each replica reads its own rows of the batch
+            inputs = [shard_rows(t, d, replicas) for t in request.inputs]
+            targets = [shard_rows(t, d, replicas) for t in request.targets]
+            for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
+                own[topo.worker(d, r, tp)] = pb.RunStepRequest(
+                    job_id=job.job_id,
+                    step=seq - 1,
+                    inputs=inputs if r in readers else [],
+                    targets=targets if r == last else [],
+                    input_refs=input_refs if r in readers else [],
+                    target_refs=target_refs if r == last else [],
+                    keep_outputs=request.keep_outputs and r == last,
+                    mode=mode,
+                )
+        calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
+        # fair between jobs sharing workers (controller/fairness.py), then in gang order
+        self.gate.enter(job.job_id, job.worker_ids, job.weight)
+        try:
+            return self._dispatch_ordered(calls, self.step_timeout_s, job.dispatch_mode, common)
+        except BaseException:
+            self.gate.leave(job.job_id)
+            raise
+
+    def _step_reply(self, job: Job, seq: int, replies: list) -> pb.StepReply:
+        topo = job.compiled.topology
+        last = topo.rank_of(topo.num_stages - 1)
         lasts = [replies[topo.worker(d, last)] for d in range(topo.data_parallel)]
         losses = [loss for reply in lasts for loss in reply.microbatch_losses]  # replica by replica
         outputs = [reply.outputs for reply in lasts]
@@ -490,17 +526,30 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def Save(self, request, context):
-        """Every worker of replica 0 writes its own tensors into a new version of the checkpoint at
-        ``request.path``; the manifest and the switch of ``current`` come last (atoll.core.checkpoint)."""
         job = self._ready_job(request.job_id)
         if not request.path:
             raise InvalidInput("a checkpoint needs a path")
+        try:
+            version, step = self._save(job, request.path)
+        except DispatchError as e:
+            cause = self._blame(job, e)  # a worker that died is marked dead, and the job fails
+            message = f"saving job {job.job_id} failed; the previous checkpoint is kept. Cause: {cause}"
+            if not all(w.alive for w in job.workers):
+                self._fail(job, f"saving failed: {cause}")
+                raise JobFailed(message) from None
+            raise InvalidInput(message) from None
+        return pb.SaveReply(path=request.path, version=version.name, step=step)
+
+    def _save(self, job: Job, path: str):
+        """Every worker of replica 0 writes its own tensors into a new version of the checkpoint at
+        ``path``; the manifest and the switch of ``current`` come last (atoll.core.checkpoint).
+        Returns (version directory, step); a failed save removes its version and raises DispatchError."""
         compiled, topo = job.compiled, job.compiled.topology
         if compiled.request.config.zero:
             raise InvalidInput("checkpoints of ZeRO-1 jobs are not built yet (the optimizer state is a flat shard)")
         with job.order:  # after every step the client has sent so far
             step = job.steps  # training steps taken (the client waits for its steps before saving)
-            version = checkpoint.new_version(request.path, step)
+            version = checkpoint.new_version(path, step)
             replica0 = list(enumerate(job.workers[: topo.ranks * topo.tensor_parallel]))
             files = {i: checkpoint.worker_file(*topo.coordinates(i)[1:]) for i, _ in replica0}
             calls = [
@@ -510,14 +559,9 @@ class ControllerService(pb_grpc.ControllerServicer):
             pending = self._dispatch_ordered(calls, self.step_timeout_s)
         try:
             replies = pending.settle().replies()  # no worker still writing when a failed version goes
-        except DispatchError as e:
+        except DispatchError:
             checkpoint.discard(version)
-            cause = self._blame(job, e)  # a worker that died is marked dead, and the job fails
-            message = f"saving job {job.job_id} failed; the previous checkpoint is kept. Cause: {cause}"
-            if not all(w.alive for w in job.workers):
-                self._fail(job, f"saving failed: {cause}")
-                raise JobFailed(message) from None
-            raise InvalidInput(message) from None
+            raise
         cfg = compiled.request.config
         manifest = {
             "step": step,
@@ -532,7 +576,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             ],
         }
         checkpoint.commit(version, manifest)
-        return pb.SaveReply(path=request.path, version=version.name, step=step)
+        return version, step
 
     def _restore(self, job: Job, path: str) -> dict:
         """Load every worker's state from the checkpoint at ``path``, cut for this job's layout."""

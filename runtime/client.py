@@ -252,6 +252,9 @@ class Client:
         sequence_parallel: bool = False,
         resume_from: str | os.PathLike = "",
         detached: bool = False,
+        auto_resume: bool = False,
+        checkpoint_every: int = 100,
+        checkpoint_path: str | os.PathLike = "",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -299,6 +302,10 @@ class Client:
 
         ``resume_from`` names a checkpoint (``Job.save``): the job starts from its weights and
         optimizer state, whatever placement, stage count or tensor-parallel degree saved it.
+        ``auto_resume=True`` makes the job outlive its workers: it saves to ``checkpoint_path``
+        when loaded and every ``checkpoint_every`` training steps, and when a worker dies it is
+        restored from there onto live workers, the steps since replayed, before the next step goes
+        on (controller/resume.py); ``step`` raises only if that fails. Its steps run one at a time.
 
         The job belongs to this client: once the client stops renewing its lease (it closed, or
         its process died), the controller closes the job after the lease timeout. ``detached=True``
@@ -331,6 +338,9 @@ class Client:
             sequence_parallel=sequence_parallel,
             resume_from=os.fspath(resume_from),
             detached=detached,
+            auto_resume=auto_resume,
+            checkpoint_every=checkpoint_every,
+            checkpoint_path=os.fspath(checkpoint_path),
         )
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:

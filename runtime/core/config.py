@@ -77,6 +77,14 @@ class JobConfig:
     detached: bool = False
     """Keep the job when the client that submitted it goes away (by default it is closed once the
     client's lease runs out, controller/leases.py)."""
+    auto_resume: bool = False
+    """After a worker failure, restore the job from its last checkpoint onto live workers and replay
+    the steps since (controller/resume.py); such a job saves to ``checkpoint_path`` every
+    ``checkpoint_every`` training steps and runs its steps one at a time."""
+    checkpoint_every: int = 100
+    """Training steps between the checkpoints of an ``auto_resume`` job."""
+    checkpoint_path: str = ""
+    """Where an ``auto_resume`` job keeps its checkpoint (storage the workers and the controller share)."""
 
     def to_pb(self) -> pb.JobConfig:
         msg = pb.JobConfig()
