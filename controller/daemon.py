@@ -1,12 +1,9 @@
-"""Running the controller daemon: the gRPC server, the rendezvous store, health checks, shutdown."""
+"""Running the controller daemon: the gRPC server (the data plane's rendezvous too), health checks, shutdown."""
 
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import dataclass
-
-import torch.distributed as dist
 
 from atoll._auth import resolve_token
 from atoll._grpc import make_server
@@ -20,7 +17,7 @@ log = logging.getLogger("atoll.controller")
 @dataclass(kw_only=True, slots=True)
 class ControllerConfig:
     host: str = "127.0.0.1"
-    """Address to bind (gRPC and the data-plane rendezvous store); 0.0.0.0 to serve other hosts."""
+    """Address to bind (gRPC, the data-plane rendezvous included); 0.0.0.0 to serve other hosts."""
     port: int = 0
     """gRPC port; 0 picks a free one (the bound address is printed)."""
     token_file: str | None = None
@@ -42,19 +39,8 @@ class ControllerDaemon:
         forbid_pickle(config.allow_pickle)
         self.config = config
         token = resolve_token(token_file=config.token_file, create=True)
-        # The store that jobs' gloo groups meet at, bound to our own address only.
-        self._store_socket = socket.create_server((config.host, 0))
-        store_port = self._store_socket.getsockname()[1]
-        self._store = dist.TCPStore(
-            config.host,
-            store_port,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=self._store_socket.fileno(),
-        )
         self.service = ControllerService(
             token=token,
-            store_port=store_port,
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             step_timeout_s=config.step_timeout_s,
@@ -73,5 +59,3 @@ class ControllerDaemon:
     def stop(self) -> None:
         self.server.stop(grace=1.0).wait(5.0)
         self.service.stop()
-        self._store = None
-        self._store_socket.close()

@@ -41,6 +41,8 @@ class Job:
     """Per worker index, the island it must be on ("" or absent: any); placement asks again on resume."""
     journal: list[tuple[int, object, float]] = field(default_factory=list)
     """An auto_resume job's training steps since its last checkpoint: (number, StepRequest, loss)."""
+    namespace: str = ""
+    """The job's namespace in the controller's rendezvous, one per load (controller/rendezvous.py)."""
     broken: str = ""
     """Why an auto_resume job must be restored before its next step ("" while it is whole)."""
     worker_ids: frozenset[str] = field(init=False)

@@ -23,6 +23,7 @@ from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.leases import Leases
 from atoll.controller.placement import place
 from atoll.controller.registry import Registry, WorkerRecord
+from atoll.controller.rendezvous import Rendezvous
 from atoll.controller.resume import AutoResume
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
 from atoll.core import checkpoint
@@ -63,7 +64,6 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self,
         *,
         token: str,
-        store_port: int,
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
         rpc_timeout_s: float = 60.0,
@@ -83,7 +83,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             on_death=self._worker_died,
             controller_key=self.controller_key,
         )
-        self.store_port = store_port
+        self.rendezvous = Rendezvous()
         self.load_timeout_s = load_timeout_s
         self.step_timeout_s = step_timeout_s
         self.dispatcher = Dispatcher(token, controller_key=self.controller_key)
@@ -156,12 +156,13 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         at: tuple[int, int, int],
         peers: list[str],
         groups: list[str],
-        namespace: str,
+        store: tuple[str, str],
     ) -> pb.LoadPlanRequest:
         """The worker at ``at`` = (replica, pipeline rank, island rank). Each chain of the pipeline
-        (a replica's island rank ``tp`` of every stage) meets in a namespace of its own; each
-        rank's replicas meet in another, for the gradient average; each stage's island in a third,
-        for its tensor-parallel collectives."""
+        (a replica's island rank ``tp`` of every stage) meets under a prefix of its own in the
+        job's rendezvous namespace ``store`` = (name, secret); each rank's replicas meet under
+        another, for the gradient average; each stage's island under a third, for its
+        tensor-parallel collectives."""
         replica, rank, tp = at
         topo, low = compiled.topology, compiled.lowered
         stages = [
@@ -171,22 +172,20 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             for s in compiled.stages
             if s.rank == rank
         ]
-        # the job's keys in the store live under a secret name: the store checks no credentials, so
-        # only holders of the plan (sent over the authenticated control plane) can find them
-        space = f"{job_id}-{namespace}"
-        chain = f"{space}/" if topo.data_parallel == topo.tensor_parallel == 1 else f"{space}/r{replica}t{tp}/"
+        chain = "" if topo.data_parallel == topo.tensor_parallel == 1 else f"r{replica}t{tp}/"
         edges, tied = compiled.dataflow.to_pb()
         holds_last = topo.rank_of(topo.num_stages - 1) == rank
         return pb.LoadPlanRequest(
             job_id=job_id,
             rank=rank,
             world_size=topo.ranks,
-            store_address=f":{self.store_port}",
+            store_namespace=store[0],
+            store_secret=store[1],
             store_prefix=chain,
             replica=replica,
-            replica_group_prefix=f"{space}/dp{rank}t{tp}/",
+            replica_group_prefix=f"dp{rank}t{tp}/",
             tp_rank=tp,
-            tp_group_prefix=f"{space}/tp{replica}.{rank}/",
+            tp_group_prefix=f"tp{replica}.{rank}/",
             stages=stages,
             loss_program=compiled.loss_programs[tp] if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
@@ -278,11 +277,15 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         if "restores" in job.report:  # an auto_resume job's history (controller/resume.py)
             report["restores"] = job.report["restores"]
         job.report = report
-        calls, namespace = [], secrets.token_hex(16)
+        self.rendezvous.close(job.namespace)  # a job placed again meets in a fresh namespace
+        job.namespace = f"{job.job_id}.{secrets.token_hex(4)}"
+        store = (job.namespace, self.rendezvous.open(job.namespace))
+        report["rendezvous"] = job.namespace  # its name only: the secret goes to the job's workers alone
+        calls = []
         for i, w in enumerate(workers):
             d, r, tp = topo.coordinates(i)
             _, peers, groups = chains[d, tp]
-            request = self._load_request(job.job_id, compiled, (d, r, tp), peers[r], groups, namespace)
+            request = self._load_request(job.job_id, compiled, (d, r, tp), peers[r], groups, store)
             calls.append(Call(w, "LoadPlan", request))
         self._dispatch_ordered(calls, self.load_timeout_s).replies()
         if resume_from:
@@ -593,6 +596,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         return {"path": path, "version": version.name, "step": manifest["step"]}
 
     @rpc_handler
+    def Rendezvous(self, request, context):
+        return self.rendezvous.serve(request)
+
+    @rpc_handler
     def GetPlan(self, request, context):
         job = self._job(request.job_id)
         with job.order:
@@ -607,6 +614,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             self.dispatcher.each(calls, 10.0)
         else:
             self.dispatcher.submit(calls, 10.0)
+        self.rendezvous.close(job.namespace)
         with self._lock:
             for w in job.workers:
                 w.jobs.discard(job.job_id)

@@ -43,8 +43,9 @@ class NcclTransport:
             raise DataPlaneError("this worker's torch has no NCCL; the plan chose nccl for one of its edges")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = store.prefixed("nccl/")  # NCCL meets lazily, at its first call: the store must live on
         try:
-            self.group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, world_size, opts)
+            self.group = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
         except RuntimeError as e:
             raise DataPlaneError(f"rank {rank}/{world_size} could not join the job's NCCL group: {e}") from None
 

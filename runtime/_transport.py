@@ -49,16 +49,6 @@ class _GlooHandle:
             raise DataPlaneError(f"{self._what} {reason} after at most {timeout_s:g}s: {e}") from None
 
 
-def open_store(address: str, prefix: str, timeout_s: float) -> dist.Store:
-    """The job's namespace in the controller's TCPStore, where data-plane groups meet."""
-    host, port = address.rsplit(":", 1)
-    try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, ValueError) as e:
-        raise DataPlaneError(f"could not reach the job's store at {address}: {e}") from None
-    return dist.PrefixStore(prefix, store)
-
-
 class _StagedRecv:
     """A gloo receive into pinned host memory, copied to the device buffer at ``wait``."""
 
@@ -91,6 +81,7 @@ class GlooTransport:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        self._store = store  # a Python store must outlive the group that may call it (atoll._rendezvous)
         try:
             self._group = dist.ProcessGroupGloo(store, rank, world_size, opts)
         except RuntimeError as e:

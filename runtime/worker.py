@@ -24,9 +24,10 @@ from atoll._executor import PipelineExecutor, StageSetup
 from atoll._grpc import Endpoint, make_server, rpc_handler, rpc_stream_handler
 from atoll._nccl import NcclTransport
 from atoll._relay import Relay
+from atoll._rendezvous import ControllerStore
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll._transport import DataPlaneError, GlooTransport, PeerTransports, open_store
+from atoll._transport import DataPlaneError, GlooTransport, PeerTransports
 from atoll._turnstile import Turnstile
 from atoll._values import ValueStore, pull
 from atoll.core import checkpoint
@@ -77,11 +78,10 @@ def controller_only(method):
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, *, device: str, host: str, controller_host: str, token: str, bind_host: str | None = None):
+    def __init__(self, *, device: str, host: str, token: str, bind_host: str | None = None):
         self.device = torch.device(device)
         self.host = host
         """The address peers reach this worker at (data plane)."""
-        self.controller_host = controller_host
         self._token = token
         self.values = ValueStore(bind_host or host, token, advertise_host=host)
         self._jobs: dict[str, PipelineExecutor] = {}
@@ -90,6 +90,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.relay = Relay(token, self._step_in_turn)
         self.controller_key = ""
         """Set at registration: the key the controller's calls carry (``controller_only``)."""
+        self.controller: Endpoint | None = None
+        """The controller this worker registered with: the data plane's rendezvous is there."""
 
     def _job(self, job_id: str) -> PipelineExecutor:
         with self._lock:
@@ -196,11 +198,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         log.info("loaded job %s as rank %d (%d actions)", request.job_id, request.rank, len(actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
 
-    def _store_address(self, request: pb.LoadPlanRequest) -> str:
-        store = request.store_address
-        if store.startswith(":"):  # the controller hosts the store; reach it the way we reach it
-            store = f"{self.controller_host}{store}"
-        return store
+    def _store(self, request: pb.LoadPlanRequest, prefix: str, timeout_s: float) -> ControllerStore:
+        """The job's rendezvous namespace (at the controller, behind its token and the plan's secret)."""
+        if self.controller is None:
+            raise DataPlaneError("this worker has no controller to meet its peers through")
+        return ControllerStore(self.controller, request.store_namespace, request.store_secret, prefix, timeout_s)
 
     def _cpu_group(
         self, prefix: str, rank: int, size: int, request: pb.LoadPlanRequest, timeout_s: float, what: str
@@ -211,7 +213,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise DataPlaneError(f"{what} runs on CPU workers only (not built for CUDA yet)")
         if not 0 <= rank < size:
             raise InvalidInput(f"{what}: rank {rank} is not one of 0..{size - 1}")
-        store = open_store(self._store_address(request), prefix, timeout_s)
+        store = self._store(request, prefix, timeout_s)
         return GlooTransport(store=store, rank=rank, world_size=size, hostname=self.host, timeout_s=timeout_s)
 
     def _connect(self, request: pb.LoadPlanRequest, executor: PipelineExecutor, timeout_s: float) -> PeerTransports:
@@ -220,11 +222,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         gloo and NCCL are process groups, joined by all ranks or none: every rank joins those the
         plan lists in ``groups`` (any edge of the job uses them), even with no edge of its own on
         them. CUDA IPC is set up only between the ranks whose edges use it."""
-        store = self._store_address(request)
         peers = {p: name for p, name in enumerate(request.peer_transports) if name}
         by_name: dict[str, object] = {}
         try:
-            job_store = open_store(store, request.store_prefix, timeout_s)
+            job_store = self._store(request, request.store_prefix, timeout_s)
             if "gloo" in request.groups:
                 by_name["gloo"] = GlooTransport(
                     store=job_store,
@@ -406,16 +407,14 @@ class WorkerDaemon:
     ):
         forbid_pickle(allow_pickle)
         self.controller_address = controller
-        controller_host = controller.rsplit(":", 1)[0]
-        self.service = WorkerService(
-            device=device, host=advertise_host or host, controller_host=controller_host, token=token, bind_host=host
-        )
+        self.service = WorkerService(device=device, host=advertise_host or host, token=token, bind_host=host)
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
         self.address = f"{advertise_host or host}:{self.port}"
         self.device = device
         self.island = island
         self._controller = Endpoint(controller, token, pb_grpc.ControllerStub, default_timeout_s=10.0)
+        self.service.controller = self._controller
         self._stop = threading.Event()
         self.worker_id = ""
         self._interval = 1.0

@@ -19,7 +19,7 @@ class _Job:
 
 @pytest.fixture()
 def service():
-    svc = ControllerService(token="t", store_port=0)
+    svc = ControllerService(token="t")
     yield svc
     svc.stop()
 

@@ -99,6 +99,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/atoll.v1.Controller/Rendezvous',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -183,6 +188,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rendezvous(self, request, context):
+        """where data-plane groups meet (controller/rendezvous.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +262,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.FreeValue,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +620,33 @@ class Controller:
             '/atoll.v1.Controller/FreeValue',
             atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/Rendezvous',
+            atoll_dot___rpc_dot_atoll__pb2.RendezvousRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.RendezvousReply.FromString,
             options,
             channel_credentials,
             insecure,
