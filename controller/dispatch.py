@@ -42,6 +42,8 @@ class Call:
     """May be shared by several calls of one dispatch (a step's common request)."""
     gang_seq: int = 0
     """The worker's gang position for this call (0: unordered), set when dispatched."""
+    gang_floor: int = 0
+    """Positions of the worker below this one whose calls have ended (controller/jobs.py, GangScheduler)."""
 
 
 class DispatchError(AtollError):
@@ -79,6 +81,11 @@ class Pending:
         self.calls = calls
         self._futures = futures
 
+    def on_end(self, callback) -> None:
+        """Call ``callback(call)`` once each call has ended, failed or not."""
+        for call, future in zip(self.calls, self._futures):
+            future.add_done_callback(lambda _, call=call: callback(call))
+
     def settle(self) -> Pending:
         """Wait until every call has ended, failed or not (each has its own deadline)."""
         wait(self._futures)
@@ -97,6 +104,9 @@ class RelayedPending(Pending):
 
     def __init__(self, calls: list[Call], root: Future):
         super().__init__(calls, [root])
+
+    def on_end(self, callback) -> None:
+        self._futures[0].add_done_callback(lambda _: [callback(call) for call in self.calls])
 
     def replies(self) -> list:
         try:
@@ -125,7 +135,7 @@ def _requests(calls: list[Call]) -> list:
             if shared[id(request)] > 1:
                 request = type(request)()
                 request.CopyFrom(c.request)
-            request.gang_seq = c.gang_seq
+            request.gang_seq, request.gang_floor = c.gang_seq, c.gang_floor
         out.append(request)
     return out
 
@@ -150,6 +160,7 @@ class Dispatcher:
                 pb.GroupMember(
                     address=c.worker.address,
                     gang_seq=c.gang_seq,
+                    gang_floor=c.gang_floor,
                     own=None if c.request is common else c.request,
                     subtree=size,
                 )

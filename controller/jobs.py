@@ -92,19 +92,32 @@ class GangScheduler:
     same way on all of them (interleaving them differently on two workers would deadlock their
     data-plane exchanges). Workers run calls strictly by position (atoll._turnstile), so the
     controller can send step k+1 while step k still runs: dispatch is asynchronous.
+
+    Each call also carries a floor: the worker's lowest position whose call has not yet ended at
+    the controller. A position below it that never reached the worker (its relaying worker died,
+    say) will never come, so the worker skips it at once instead of waiting out its deadline.
     """
 
     def __init__(self):
         self._next: dict[str, int] = {}
+        self._open: dict[str, set[int]] = {}  # per worker: positions handed out whose calls have not ended
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def positions(self):
-        """Within the block, ``take(worker_id)`` hands out consecutive positions atomically."""
+        """Within the block, ``take(worker_id)`` hands out consecutive positions atomically, each
+        as (position, floor)."""
         with self._lock:
             yield self._take
 
-    def _take(self, worker_id: str) -> int:
+    def _take(self, worker_id: str) -> tuple[int, int]:
         seq = self._next.get(worker_id, 1)
         self._next[worker_id] = seq + 1
-        return seq
+        open_ = self._open.setdefault(worker_id, set())
+        open_.add(seq)
+        return seq, min(open_)
+
+    def ended(self, worker_id: str, seq: int) -> None:
+        """The call holding ``seq`` has ended (answered, failed or timed out)."""
+        with self._lock:
+            self._open.get(worker_id, set()).discard(seq)

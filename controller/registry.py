@@ -111,6 +111,12 @@ class Registry:
     def live(self) -> list[WorkerRecord]:
         return [w for w in self.all() if w.alive]
 
+    def forgive(self, seconds: float) -> None:
+        """Do not count the last ``seconds`` as silence of any worker."""
+        now = time.monotonic()
+        for record in self.live():
+            record.last_heartbeat = min(now, record.last_heartbeat + seconds)
+
     def sweep(self) -> None:
         now = time.monotonic()
         for record in self.live():
@@ -120,7 +126,14 @@ class Registry:
 
     def run_health_checks(self) -> None:
         def loop():
-            while not self._stop.wait(self.heartbeat_interval_s / 2):
+            period, last = self.heartbeat_interval_s / 2, time.monotonic()
+            while not self._stop.wait(period):
+                now = time.monotonic()
+                stalled, last = now - last - period, now
+                if stalled > self.heartbeat_interval_s:
+                    # this process itself stood still (a long call holding the GIL, say, such as
+                    # parsing a large program): heartbeats could not be taken in meanwhile either
+                    self.forgive(stalled)
                 self.sweep()
 
         threading.Thread(target=loop, name="health", daemon=True).start()

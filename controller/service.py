@@ -12,7 +12,8 @@ import uuid
 
 import grpc
 
-from atoll._grpc import rpc_handler
+from atoll import _chunked as chunked
+from atoll._grpc import rpc_handler, rpc_stream_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.admission import AdmissionQueue, Ticket
@@ -165,17 +166,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         tensor-parallel collectives."""
         replica, rank, tp = at
         topo, low = compiled.topology, compiled.lowered
-        stages = [
-            pb.StageProgram(
-                stage=s.index, input=spec_to_pb(s.input), output=spec_to_pb(s.output), exported_program=s.programs[tp]
-            )
-            for s in compiled.stages
-            if s.rank == rank
-        ]
         chain = "" if topo.data_parallel == topo.tensor_parallel == 1 else f"r{replica}t{tp}/"
         edges, tied = compiled.dataflow.to_pb()
         holds_last = topo.rank_of(topo.num_stages - 1) == rank
-        return pb.LoadPlanRequest(
+        request = pb.LoadPlanRequest(
             job_id=job_id,
             rank=rank,
             world_size=topo.ranks,
@@ -186,7 +180,6 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             replica_group_prefix=f"dp{rank}t{tp}/",
             tp_rank=tp,
             tp_group_prefix=f"tp{replica}.{rank}/",
-            stages=stages,
             loss_program=compiled.loss_programs[tp] if holds_last else b"",
             actions=[a.to_pb() for a in low.actions[rank]],
             stage_ranks=topo.stage_ranks,
@@ -198,6 +191,15 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             edges=edges,
             tied=tied,
         )
+        for s in compiled.stages:  # added in place: a program may be large, a message is copied whole
+            if s.rank == rank:
+                request.stages.add(
+                    stage=s.index,
+                    input=spec_to_pb(s.input),
+                    output=spec_to_pb(s.output),
+                    exported_program=s.programs[tp],
+                )
+        return request
 
     def _dispatch_ordered(self, calls: list[Call], timeout_s: float, mode: str = "direct", common=None):
         """Give each call its worker's next gang position and send them all, without waiting:
@@ -205,12 +207,15 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         shared by the ranks that have none of their own) or "sequential" (JobConfig.dispatch)."""
         with self.gang.positions() as take:
             for call in calls:
-                call.gang_seq = take(call.worker.worker_id)
+                call.gang_seq, call.gang_floor = take(call.worker.worker_id)
             if mode == "direct":
-                return self.dispatcher.submit(calls, timeout_s)
-            if mode == "relay":
-                return self.dispatcher.relay(calls, common, timeout_s)
-        return self.dispatcher.sequential(calls, timeout_s)
+                pending = self.dispatcher.submit(calls, timeout_s)
+            elif mode == "relay":
+                pending = self.dispatcher.relay(calls, common, timeout_s)
+        if mode == "sequential":
+            pending = self.dispatcher.sequential(calls, timeout_s)
+        pending.on_end(lambda call: self.gang.ended(call.worker.worker_id, call.gang_seq))
+        return pending
 
     @rpc_handler
     def SubmitPipeline(self, request, context):
@@ -537,6 +542,9 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         except DispatchError as e:
             cause = self._blame(job, e)  # a worker that died is marked dead, and the job fails
             message = f"saving job {job.job_id} failed; the previous checkpoint is kept. Cause: {cause}"
+            if job.auto_resume and not all(w.alive for w in job.workers):
+                job.broken = cause  # restored before its next step (controller/resume.py)
+                raise InvalidInput(message + " (the job is restored before its next step)") from None
             if not all(w.alive for w in job.workers):
                 self._fail(job, f"saving failed: {cause}")
                 raise JobFailed(message) from None
@@ -594,6 +602,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self._dispatch_ordered([Call(w, "LoadState", request) for w in job.workers], self.load_timeout_s).replies()
         job.steps = manifest["step"]  # the job's training steps go on counting from the checkpoint's
         return {"path": path, "version": version.name, "step": manifest["step"]}
+
+    @rpc_stream_handler
+    def Chunked(self, request_iterator, context):
+        yield from chunked.serve(self, "Controller", request_iterator, context)
 
     @rpc_handler
     def Rendezvous(self, request, context):

@@ -13,12 +13,13 @@ from concurrent import futures
 
 import grpc
 
+from atoll import _chunked as chunked
 from atoll import _tls, errors
 from atoll._auth import TokenInterceptor, call_metadata
 
 log = logging.getLogger("atoll")
 
-# Programs carry serialized graphs with their weights; state_dict replies carry all weights.
+# The calls that carry weights travel in pieces (atoll._chunked); this caps every other message.
 MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -83,6 +84,14 @@ def rpc_stream_handler(method):
     return wrapped
 
 
+def _service_of(stub_class) -> str:
+    return stub_class.__name__.removesuffix("Stub")
+
+
+def _chunked_reply(service: str, method: str, data: bytes):
+    return chunked.parse(chunked.message_types(service, method)[1], data, f"reply of {method}")
+
+
 class Endpoint:
     """A connection to one daemon: every call carries the token and a deadline."""
 
@@ -98,12 +107,16 @@ class Endpoint:
         self.address = address
         self._channel = _channel(grpc, address, _tls.current(tls))
         self._stub = stub_class(self._channel)
+        self._service = _service_of(stub_class)
         self._metadata = call_metadata(token, controller_key)
         self.default_timeout_s = default_timeout_s
 
     def call(self, method: str, request, timeout_s: float | None = None):
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         try:
+            if method in chunked.CHUNKED_METHODS:  # weights ride in these: in pieces, of any size
+                replies = self._stub.Chunked(chunked.pieces(method, request), timeout=timeout, metadata=self._metadata)
+                return _chunked_reply(self._service, method, chunked.assemble(replies)[1])
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {self.address}") from None
@@ -145,6 +158,7 @@ class AsyncCalls:
         self._token = token
         self._metadata = call_metadata(token, controller_key)
         self._stub_class = stub_class
+        self._service = _service_of(stub_class)
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True)
@@ -164,6 +178,10 @@ class AsyncCalls:
             channel = _channel(grpc.aio, address, _tls.current())
             entry = self._channels[address] = (channel, self._stub_class(channel))
         try:
+            if method in chunked.CHUNKED_METHODS:
+                call = entry[1].Chunked(chunked.pieces(method, request), timeout=timeout_s, metadata=self._metadata)
+                data = b"".join([c.data async for c in call])
+                return _chunked_reply(self._service, method, data)
             return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {address}") from None

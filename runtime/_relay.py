@@ -27,7 +27,7 @@ RELAY_MARGIN_S = 10.0
 def member_request(group: pb.RunStepGroupRequest, member: pb.GroupMember) -> pb.RunStepRequest:
     request = pb.RunStepRequest()
     request.CopyFrom(member.own if member.HasField("own") else group.common)
-    request.gang_seq = member.gang_seq
+    request.gang_seq, request.gang_floor = member.gang_seq, member.gang_floor
     return request
 
 

@@ -4,7 +4,9 @@ The controller numbers every ordered call it sends to a worker (1, 2, 3, ...), t
 all workers of an island, and sends them as soon as it can (so step k+1 can be waiting while step
 k runs). The worker runs them strictly in that order. Waiting behind a call that has arrived has
 no deadline here (that call has its own); waiting for a number that has not arrived has one, after
-which that number is skipped (its sender died or gave up), so the island never stalls.
+which that number is skipped (its sender died or gave up), so the island never stalls. A call
+also carries the controller's floor: numbers below it whose calls have ended at the controller
+will never come, so they are skipped at once (controller/jobs.py, GangScheduler).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ class Turnstile:
         self._cond = threading.Condition()
         self._next = 1
         self._present: set[int] = set()
+        self._floor = 1
         self.skipped: list[int] = []
 
     def reset(self) -> None:
         """A new controller (re-registration) numbers from 1 again."""
         with self._cond:
-            self._next = 1
+            self._next, self._floor = 1, 1
             self._cond.notify_all()
 
     def _wait_for(self, seq: int) -> None:
@@ -39,7 +42,7 @@ class Turnstile:
                 continue
             now = time.monotonic()
             deadline = deadline or now + self.missing_timeout_s
-            if now >= deadline:
+            if now >= deadline or self._next < self._floor:
                 self.skipped.append(self._next)
                 self._next += 1
                 self._cond.notify_all()
@@ -48,12 +51,14 @@ class Turnstile:
             self._cond.wait(deadline - now)
 
     @contextlib.contextmanager
-    def turn(self, seq: int):
-        """Hold the island's turn for ``seq``; seq 0 means unordered (runs at once, takes no turn)."""
+    def turn(self, seq: int, floor: int = 0):
+        """Hold the island's turn for ``seq``; seq 0 means unordered (runs at once, takes no turn).
+        Numbers below ``floor`` that have not arrived are never coming."""
         if seq == 0:
             yield
             return
         with self._cond:
+            self._floor = max(self._floor, min(floor, seq))
             if seq < self._next:
                 raise InvalidInput(
                     f"gang position {seq} arrived after position {self._next - 1} ran "

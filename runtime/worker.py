@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from atoll import _chunked as chunked
 from atoll._auth import from_controller
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
@@ -110,7 +111,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @rpc_handler
     @controller_only
     def LoadPlan(self, request: pb.LoadPlanRequest, context):
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             return self._load(request)
 
     def _use_device(self) -> None:
@@ -260,7 +261,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return PeerTransports({p: by_name[name] for p, name in peers.items()}, list(by_name.values()))
 
     def _step_in_turn(self, request: pb.RunStepRequest) -> pb.RunStepReply:
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             return self._step(request)
 
     @rpc_handler
@@ -278,7 +279,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def RunStepStream(self, request: pb.RunStepRequest, context):
         """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             yield pb.RunStepEvent(started=True)
             reply = self._step(request)
         yield pb.RunStepEvent(reply=reply)
@@ -342,7 +343,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @rpc_handler
     @controller_only
     def GetState(self, request: pb.GetStateRequest, context):
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             # serialized inside the turn: a queued step must not update weights mid-read
             state = self._job(request.job_id).state_dict()
             return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
@@ -351,7 +352,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def SaveState(self, request: pb.SaveStateRequest, context):
         """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             tensors = self._job(request.job_id).checkpoint_tensors()
             if "/" in request.file or request.file.startswith("."):
                 raise InvalidInput(f"checkpoint file name {request.file!r} must be a plain name")
@@ -363,7 +364,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def LoadState(self, request: pb.LoadStateRequest, context):
         """Load the job's weights and optimizer state from a committed checkpoint version, cut for
         this worker's place in the job's layout."""
-        with self.turnstile.turn(request.gang_seq):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
             executor = self._job(request.job_id)
             version = Path(request.directory)
             try:
@@ -384,6 +385,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
         executor.close()
         return pb.Empty()
+
+    @rpc_stream_handler
+    def Chunked(self, request_iterator, context):
+        yield from chunked.serve(self, "Worker", request_iterator, context)
 
     @rpc_handler
     def Ping(self, request, context):

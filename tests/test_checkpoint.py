@@ -8,6 +8,7 @@ import pytest
 import safetensors
 
 import atoll
+from atoll.core import checkpoint
 from tests import models
 from tests.reference import RTOL, train_reference
 
@@ -57,23 +58,23 @@ def test_a_checkpoint_resumes_in_other_layouts_with_the_losses_of_an_uninterrupt
     assert tp_save["step"] == 6
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
-    """A worker killed before a save: the workers still alive write their files, the save fails
-    with the worker named, the partial version is removed, and ``current`` still names the last
-    complete checkpoint, from which a new job continues exactly."""
+def test_a_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The worker of rank 1 dies (SIGKILL) half-way through writing its file of the second save
+    (a failpoint, atoll.core.checkpoint.FAILPOINT): the save fails with the worker named, the
+    partial version is removed, and ``current`` still names the last complete checkpoint, from
+    which a new job continues exactly."""
     model, batches, loss_fn = models.transformer()
     expected, _ = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
     path = tmp_path / "ckpt"
+    monkeypatch.setenv(checkpoint.FAILPOINT, f"checkpoint-write:{path}/v000002-*/rank1-tp0.safetensors")
     with atoll.LocalCluster(workers=3) as cluster, cluster.client() as client:
         job = _job(client, model, batches, loss_fn, stages=2)
         job.step(*batches[0])
         first = job.save(path)
         job.step(*batches[1])
-        used = {w.pid for w in client.status().workers if job.id in w.jobs}
-        victim = next(i for i, p in enumerate(cluster.workers) if p.pid in used)
-        cluster.kill_worker(victim)
         with pytest.raises(atoll.AtollError, match="previous checkpoint is kept"):
             job.save(path)
+        assert [p.poll() for p in cluster.workers].count(-9) == 1  # the writer of rank 1 was killed
         assert (path / "current").read_text().strip() == first["version"]
         assert sorted(p.name for p in path.iterdir()) == sorted(["current", first["version"]])
         job.close()

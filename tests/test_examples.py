@@ -1,18 +1,25 @@
 """The README's main job and the `atoll plan` command, run as a user runs them."""
 
+import contextlib
+import io
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from atoll import cli
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _plan(*args: str) -> str:
-    """What ``atoll plan examples/gpt_plan.py ARGS`` prints."""
-    run = [sys.executable, "-m", "atoll.cli", "plan", "examples/gpt_plan.py", *args]
-    return subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=180).stdout
+    """What ``atoll plan examples/gpt_plan.py ARGS`` prints (run in this process: the command
+    itself is run as a user runs it in the first test below)."""
+    out = io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out):
+        cli.main(["plan", "examples/gpt_plan.py", *args])
+    return out.getvalue()
 
 
 def test_main_job_trains_and_the_loss_falls():

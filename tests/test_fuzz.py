@@ -123,7 +123,10 @@ def _send(channel, service: str, method, data: bytes, token: str | None) -> grpc
     path = f"/{pb.DESCRIPTOR.package}.{service}/{method.name}"
     metadata = call_metadata(token) if token else None
     try:
-        if method.server_streaming:
+        if method.client_streaming:  # the payload as a stream of two messages
+            for _ in channel.stream_stream(path)(iter([data, data]), timeout=20, metadata=metadata):
+                pass
+        elif method.server_streaming:
             for _ in channel.unary_stream(path)(data, timeout=20, metadata=metadata):
                 pass
         else:

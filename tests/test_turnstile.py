@@ -53,3 +53,28 @@ def test_unordered_calls_take_no_turn_and_reset_restarts_numbering():
     assert run_all(turnstile, [1, 2]) == [1, 2]
     turnstile.reset()
     assert run_all(turnstile, [1]) == [1]
+
+
+def test_positions_below_the_controllers_floor_are_skipped_at_once():
+    """Position 2 ended at the controller without reaching this worker (floor 3 on position 3):
+    no deadline is waited out, however long it is. The floor's own position is still awaited."""
+    turnstile = Turnstile(missing_timeout_s=600)
+    with turnstile.turn(1):
+        pass
+    with turnstile.turn(3, floor=3):
+        pass
+    assert turnstile.skipped == [2]
+    ran = []
+
+    def five():
+        with turnstile.turn(5, floor=4):
+            ran.append(5)
+
+    later = threading.Thread(target=five)
+    later.start()
+    later.join(0.3)
+    assert ran == []  # 4 may still come: 5 waits for it
+    with turnstile.turn(4):
+        ran.append(4)
+    later.join(10)
+    assert ran == [4, 5] and turnstile.skipped == [2]

@@ -104,6 +104,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousReply.FromString,
                 _registered_method=True)
+        self.Chunked = channel.stream_stream(
+                '/atoll.v1.Controller/Chunked',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -195,6 +200,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chunked(self, request_iterator, context):
+        """SubmitPipeline, GetState in pieces (atoll._chunked)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +279,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Rendezvous,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.RendezvousReply.SerializeToString,
+            ),
+            'Chunked': grpc.stream_stream_rpc_method_handler(
+                    servicer.Chunked,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -657,6 +674,33 @@ class Controller:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Chunked(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Controller/Chunked',
+            atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -726,6 +770,11 @@ class WorkerStub:
                 '/atoll.v1.Worker/FreeValue',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Chunked = channel.stream_stream(
+                '/atoll.v1.Worker/Chunked',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
                 _registered_method=True)
 
 
@@ -806,6 +855,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chunked(self, request_iterator, context):
+        """LoadPlan, GetState in pieces (atoll._chunked)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -868,6 +924,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.FreeValue,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.RemoteRef.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            ),
+            'Chunked': grpc.stream_stream_rpc_method_handler(
+                    servicer.Chunked,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1194,6 +1255,33 @@ class Worker:
             '/atoll.v1.Worker/FreeValue',
             atoll_dot___rpc_dot_atoll__pb2.RemoteRef.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chunked(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Worker/Chunked',
+            atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

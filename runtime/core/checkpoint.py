@@ -18,9 +18,11 @@ pointing at the previous complete checkpoint.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
+import signal
 import uuid
 from pathlib import Path
 
@@ -44,10 +46,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+FAILPOINT = "ATOLL_FAILPOINT"
+"""``checkpoint-write:GLOB``: a process writing a checkpoint file whose path matches GLOB dies
+(SIGKILL) half-way through it, to test that a crash mid-save loses nothing (tests/test_checkpoint.py)."""
+
+
+def _crash_here(path: Path, tmp: Path) -> None:
+    kind, _, pattern = os.environ.get(FAILPOINT, "").partition(":")
+    if kind == "checkpoint-write" and fnmatch.fnmatch(str(path), pattern):
+        os.truncate(tmp, os.path.getsize(tmp) // 2)  # what a crash mid-write leaves on disk
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _replace_file(path: Path, write) -> None:
     """Write through a temporary name, flush it to disk, then rename it into place."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     write(tmp)
+    _crash_here(path, tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

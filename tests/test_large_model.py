@@ -1,0 +1,54 @@
+"""No size ceiling: a model whose weights exceed the 1 GiB cap of one gRPC message (303M fp32
+parameters, 1.2 GB) is submitted, loaded whole on one worker, stepped once and saved. Its weights
+cross every hop (client -> controller -> worker) in pieces (atoll._chunked), and the worker writes
+the checkpoint itself; the saved weights are those of one SGD step in this process."""
+
+import json
+
+import pytest
+import safetensors
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import atoll
+from atoll._grpc import MAX_MESSAGE_BYTES
+
+WIDTH, LAYERS = 8704, 4  # 4 x (8704^2 + 8704) = 303.1M parameters
+NEEDED_BYTES = 16 << 30  # the model in this process, the controller and the worker, each with transient copies
+LR = 0.1
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.timeout(900)
+def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
+    if _available_bytes() < NEEDED_BYTES:
+        pytest.skip(f"needs {NEEDED_BYTES >> 30} GiB of free memory, this machine has {_available_bytes() >> 30} GiB")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes > MAX_MESSAGE_BYTES
+    x, y = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    with atoll.LocalCluster(workers=1) as cluster, cluster.client() as client:
+        job = client.pipeline(
+            model, example_input=x, example_target=y, loss_fn=F.mse_loss, stages=1, microbatches=1,
+            optimizer="sgd", optimizer_args={"lr": LR},
+        )  # fmt: skip
+        loss = job.step(x, y)
+        saved = job.save(tmp_path / "ckpt")
+        job.close()
+
+    version = tmp_path / "ckpt" / saved["version"]
+    (entry,) = json.loads((version / "manifest.json").read_text())["files"]
+    assert saved["step"] == 1 and (version / entry["file"]).stat().st_size > weight_bytes
+
+    expected = F.mse_loss(model(x), y)  # the same step in this process
+    expected.backward()
+    assert abs(loss - expected.item()) <= 1e-5 * abs(expected.item())
+    with torch.no_grad(), safetensors.safe_open(str(version / entry["file"]), framework="pt") as f:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(f.get_tensor(f"param/{name}"), p - LR * p.grad, rtol=1e-5, atol=1e-6)
