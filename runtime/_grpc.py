@@ -88,8 +88,8 @@ def _service_of(stub_class) -> str:
     return stub_class.__name__.removesuffix("Stub")
 
 
-def _chunked_reply(service: str, method: str, data: bytes):
-    return chunked.parse(chunked.message_types(service, method)[1], data, f"reply of {method}")
+def _chunked_reply(service: str, method: str, head, data: bytes):
+    return chunked.parse(chunked.message_types(service, method)[1], head, data, f"reply of {method}")
 
 
 class Endpoint:
@@ -116,7 +116,7 @@ class Endpoint:
         try:
             if method in chunked.CHUNKED_METHODS:  # weights ride in these: in pieces, of any size
                 replies = self._stub.Chunked(chunked.pieces(method, request), timeout=timeout, metadata=self._metadata)
-                return _chunked_reply(self._service, method, chunked.assemble(replies)[1])
+                return _chunked_reply(self._service, method, *chunked.assemble(replies))
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {self.address}") from None
@@ -180,8 +180,7 @@ class AsyncCalls:
         try:
             if method in chunked.CHUNKED_METHODS:
                 call = entry[1].Chunked(chunked.pieces(method, request), timeout=timeout_s, metadata=self._metadata)
-                data = b"".join([c.data async for c in call])
-                return _chunked_reply(self._service, method, data)
+                return _chunked_reply(self._service, method, *chunked.assemble([c async for c in call]))
             return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise as_atoll_error(e, f"{method} on {address}") from None

@@ -1,0 +1,56 @@
+"""atoll._chunked: a message crosses as pieces, its large bytes fields lifted out and sent beside
+it (so protobuf's 2 GiB limit applies to the rest only), and comes back whole; pieces that do
+not add up are refused with the reason."""
+
+import pytest
+
+from atoll import _chunked as chunked
+from atoll._rpc import atoll_pb2 as pb
+from atoll.errors import InvalidInput
+
+
+@pytest.fixture()
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(chunked, "LIFT_BYTES", 100)
+    monkeypatch.setattr(chunked, "LIFT_ABOVE", 1000)  # stands for protobuf's 2 GiB
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 64)
+
+
+def _plan() -> pb.LoadPlanRequest:
+    request = pb.LoadPlanRequest(job_id="job1", rank=1, loss_program=b"L" * 500)
+    request.stages.add(stage=0, exported_program=b"a" * 300)
+    request.stages.add(stage=1, exported_program=b"small")
+    request.stages.add(stage=2, exported_program=b"c" * 1000)
+    return request
+
+
+def test_a_message_within_the_limit_crosses_whole(small_pieces):
+    request = pb.LoadPlanRequest(job_id="job1", loss_program=b"L" * 500)
+    (head, *rest) = chunked.pieces("LoadPlan", request)
+    assert list(head.sizes) == [request.ByteSize()] and not head.paths and rest
+    assert chunked.parse(pb.LoadPlanRequest, *chunked.assemble(iter([head, *rest])), "LoadPlan") == request
+
+
+def test_large_fields_travel_beside_the_message_and_come_back_in_place(small_pieces):
+    request = _plan()
+    sent = list(chunked.pieces("LoadPlan", request))
+    assert request == _plan()  # the caller's message is left as it was
+    head = sent[0]
+    assert head.method == "LoadPlan" and len(head.paths) == 3  # loss program and two stage programs
+    assert head.sizes[0] < 100 and sorted(head.sizes[1:]) == [300, 500, 1000]
+    assert all(len(c.data) <= 64 for c in sent)
+    got_head, data = chunked.assemble(iter(sent))
+    assert chunked.parse(pb.LoadPlanRequest, got_head, data, "LoadPlan") == request
+
+
+def test_pieces_that_do_not_add_up_are_refused(small_pieces):
+    head, data = chunked.assemble(iter(chunked.pieces("LoadPlan", _plan())))
+    with pytest.raises(InvalidInput, match="do not add up"):
+        chunked.parse(pb.LoadPlanRequest, head, data[:-1], "LoadPlan")
+    wrong = pb.Chunk()
+    wrong.CopyFrom(head)
+    wrong.paths[0] = '[["no_such_field", -1]]'
+    with pytest.raises(InvalidInput, match="no bytes field at"):
+        chunked.parse(pb.LoadPlanRequest, wrong, data, "LoadPlan")
+    with pytest.raises(InvalidInput, match="not a chunked method"):
+        chunked.message_types("Worker", "RunStep")
