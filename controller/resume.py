@@ -67,7 +67,7 @@ class AutoResume:
                 job.broken = cause
             except (NotEnoughWorkers, InvalidInput) as e:
                 self._fail(job, f"auto_resume could not restore the job: {e}")
-                raise JobFailed(f"job {job.job_id}: auto_resume could not restore it after {job.error}") from None
+                raise JobFailed(f"job {job.job_id}: {job.error}") from None
         self._fail(job, f"auto_resume gave up after {self.MAX_RESTORES} restores; last cause: {job.broken}")
         raise JobFailed(f"job {job.job_id}: {job.error}")
 

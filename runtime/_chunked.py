@@ -83,7 +83,7 @@ def pieces(method: str, message) -> Iterator[pb.Chunk]:
             yield chunk
 
 
-def _available_bytes() -> int:
+def available_bytes() -> int:
     """Memory this machine can still give (MemAvailable), or no limit where /proc is missing."""
     try:
         with open("/proc/meminfo") as f:
@@ -98,7 +98,7 @@ def _available_bytes() -> int:
 def assemble(chunks: Iterable[pb.Chunk]) -> tuple[pb.Chunk, bytes]:
     """The first piece (method, sizes, paths) and the whole payload; refuses a payload this
     machine could not hold rather than running out of memory gathering it."""
-    head, parts, total, limit = None, [], 0, _available_bytes() // 2
+    head, parts, total, limit = None, [], 0, available_bytes() // 2
     for chunk in chunks:
         head = chunk if head is None else head
         total += len(chunk.data)

@@ -71,7 +71,7 @@ class ControllerStore(dist.Store):
         raise RuntimeError("the atoll rendezvous does not count keys")
 
     def clone(self) -> ControllerStore:
-        return ControllerStore(self._controller, self._namespace, self._secret, self._prefix, self._timeout_s)
+        return self.prefixed("")
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = timeout.total_seconds()

@@ -32,6 +32,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def rss(pid: int) -> int:
+    """Resident memory of a process, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -15,17 +15,13 @@ import atoll
 from atoll._auth import call_metadata
 from atoll._rpc import atoll_pb2 as pb
 from tests import models
+from tests.procs import rss
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 EXAMPLES_PER_RPC = 60  # each sent with and without the token: 120 messages per RPC
 DEAD = (grpc.StatusCode.UNAVAILABLE,)  # what a crashed or hung daemon looks like to a caller
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 INTS = st.one_of(st.integers(-3, 3), st.sampled_from([2**31 - 1, -(2**31), 2**40, 2**62]), st.integers(0, 64))
@@ -175,7 +171,7 @@ def test_hostile_messages_to_every_rpc_crash_no_daemon(fuzz_cluster):
         _train_once(client)  # warm: torch and gloo loaded, a plan compiled
         workers = client.status().workers
     pids = {"controller": cluster.controller.pid, **{w.worker_id: w.pid for w in workers}}
-    before = {name: _rss(pid) for name, pid in pids.items()}
+    before = {name: rss(pid) for name, pid in pids.items()}
     targets = {"Controller": cluster.address, "Worker": workers[0].address}
     counts: dict = {}
     for service, address in targets.items():
@@ -192,6 +188,6 @@ def test_hostile_messages_to_every_rpc_crash_no_daemon(fuzz_cluster):
         while sum(w.alive for w in client.status().workers) > len(workers) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _train_once(client) > 0  # the cluster still trains
-    after = {name: _rss(pid) for name, pid in pids.items()}
+    after = {name: rss(pid) for name, pid in pids.items()}
     for name in pids:
         assert after[name] <= 1.1 * before[name], (name, before[name], after[name], counts)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
+from atoll._chunked import available_bytes
 from atoll._grpc import MAX_MESSAGE_BYTES
 
 WIDTH, LAYERS = 8704, 4  # 4 x (8704^2 + 8704) = 303.1M parameters
@@ -19,15 +20,10 @@ NEEDED_BYTES = 16 << 30  # the model in this process, the controller and the wor
 LR = 0.1
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-
-
 @pytest.mark.timeout(900)
 def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
-    if _available_bytes() < NEEDED_BYTES:
-        pytest.skip(f"needs {NEEDED_BYTES >> 30} GiB of free memory, this machine has {_available_bytes() >> 30} GiB")
+    if available_bytes() < NEEDED_BYTES:
+        pytest.skip(f"needs {NEEDED_BYTES >> 30} GiB of free memory, this machine has {available_bytes() >> 30} GiB")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import atoll
 from tests import models
+from tests.procs import rss
 from tests.reference import RTOL, train_reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +34,6 @@ print(json.dumps(losses), flush=True)
 """
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def test_eight_clients_share_four_workers_for_a_hundred_steps_each():
     with atoll.LocalCluster(workers=4) as cluster:
         children = [
@@ -54,14 +50,14 @@ def test_eight_clients_share_four_workers_for_a_hundred_steps_each():
             for child in children:
                 assert child.stdout.readline().strip() == "warm", "a client failed before its first steps"
             daemons = [cluster.controller, *cluster.workers]
-            warm = [_rss(p.pid) for p in daemons]
+            warm = [rss(p.pid) for p in daemons]
             for child in children:
                 child.stdin.write("go\n")
                 child.stdin.flush()
             results = [json.loads(child.stdout.readline()) for child in children]
             for child in children:
                 assert child.wait(60) == 0
-            after = [_rss(p.pid) for p in daemons]
+            after = [rss(p.pid) for p in daemons]
         finally:
             for child in children:
                 child.kill()
