@@ -109,6 +109,16 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.DeregisterWorker = channel.unary_unary(
+                '/atoll.v1.Controller/DeregisterWorker',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.WorkerRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetTimeline = channel.unary_unary(
+                '/atoll.v1.Controller/GetTimeline',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.TimelineReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -207,6 +217,20 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeregisterWorker(self, request, context):
+        """a stopping worker leaves at once
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTimeline(self, request, context):
+        """measured and predicted timelines (controller/trace.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +308,16 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Chunked,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+            ),
+            'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterWorker,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.WorkerRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            ),
+            'GetTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimeline,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.TimelineReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -701,6 +735,60 @@ class Controller:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DeregisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/DeregisterWorker',
+            atoll_dot___rpc_dot_atoll__pb2.WorkerRef.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/GetTimeline',
+            atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.TimelineReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -775,6 +863,11 @@ class WorkerStub:
                 '/atoll.v1.Worker/Chunked',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.GetTimeline = channel.unary_unary(
+                '/atoll.v1.Worker/GetTimeline',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.WorkerTimeline.FromString,
                 _registered_method=True)
 
 
@@ -862,6 +955,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTimeline(self, request, context):
+        """the spans of recent steps
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -929,6 +1029,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Chunked,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
+            ),
+            'GetTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimeline,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.WorkerTimeline.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1282,6 +1387,33 @@ class Worker:
             '/atoll.v1.Worker/Chunked',
             atoll_dot___rpc_dot_atoll__pb2.Chunk.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/GetTimeline',
+            atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.WorkerTimeline.FromString,
             options,
             channel_credentials,
             insecure,
