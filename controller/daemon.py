@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from atoll._auth import resolve_token
-from atoll._grpc import make_server
+from atoll._grpc import Health, make_server
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.service import ControllerService
 from atoll.core.graphs import forbid_pickle
@@ -32,6 +32,9 @@ class ControllerConfig:
     """Silence of a client session after which its jobs (not detached ones) are closed."""
     allow_pickle: bool = False
     """Let torch.load unpickle arbitrary objects inside submitted programs (unsafe)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP at ``host:metrics_port/metrics`` (0 picks a free port;
+    None: no metrics server). controller/metrics.py lists them."""
 
 
 class ControllerDaemon:
@@ -48,14 +51,22 @@ class ControllerDaemon:
         )
         self.server, self.port = make_server(token, config.host, config.port)
         pb_grpc.add_ControllerServicer_to_server(self.service, self.server)
+        self.health = Health(self.server, "atoll.v1.Controller")
+        """grpc.health.v1: SERVING once started, NOT_SERVING from the moment it begins to stop."""
         self.address = f"{config.host}:{self.port}"
+        self.metrics_address = ""
+        """host:port of the metrics server once started ("" without one)."""
 
     def start(self) -> None:
         self.server.start()
         self.service.registry.run_health_checks()
         self.service.run_lease_checks()
+        if self.config.metrics_port is not None:
+            self.metrics_address = self.service.metrics.serve(self.config.host, self.config.metrics_port)
+        self.health.set(True)
         log.info("controller listening on %s", self.address)
 
     def stop(self) -> None:
+        self.health.shutdown()
         self.server.stop(grace=1.0).wait(5.0)
         self.service.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class Job:
     """The job's namespace in the controller's rendezvous, one per load (controller/rendezvous.py)."""
     broken: str = ""
     """Why an auto_resume job must be restored before its next step ("" while it is whole)."""
+    last_loss: float | None = None
+    """The mean microbatch loss of the last training step (None before the first)."""
+    last_memory: tuple[str, ...] = ()
+    """Each worker's accounting (memory_json) of the last training step, parsed only when asked."""
     worker_ids: frozenset[str] = field(init=False)
 
     def __post_init__(self):
@@ -74,6 +79,22 @@ class Job:
     @property
     def weight(self) -> float:
         return self.compiled.request.config.weight
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The plan's largest per-rank predicted peak."""
+        return max((int(m["total"]) for m in self.report.get("predicted_memory", {}).values()), default=0)
+
+    @property
+    def measured_peak_bytes(self) -> int:
+        """The largest per-worker peak the workers measured in the last training step (0: none yet)."""
+        peak = 0
+        for text in self.last_memory:
+            try:
+                peak = max(peak, int(json.loads(text)["peak"]["total"]))
+            except (ValueError, KeyError, TypeError):  # a worker's accounting is for show
+                continue
+        return peak
 
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""

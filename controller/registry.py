@@ -31,6 +31,8 @@ class WorkerRecord:
     alive: bool = True
     death: str = ""
     jobs: set[str] = field(default_factory=set)
+    rss_bytes: int = 0
+    """Resident memory of the worker's process, from its last heartbeat."""
 
     def describe(self) -> str:
         return f"worker {self.worker_id} ({self.device} at {self.address}, island {self.island})"
@@ -85,13 +87,27 @@ class Registry:
             self.mark_dead(old, f"replaced by {record.worker_id} registering at the same address")
         return record
 
-    def heartbeat(self, worker_id: str) -> bool:
+    def heartbeat(self, worker_id: str, rss_bytes: int = 0) -> bool:
         with self._lock:
             record = self._workers.get(worker_id)
             if record is None or not record.alive:
                 return False
             record.last_heartbeat = time.monotonic()
+            record.rss_bytes = max(0, rss_bytes)
             return True
+
+    def deregister(self, worker_id: str, reason: str) -> WorkerRecord | None:
+        """A worker that is stopping leaves: it is marked dead (its jobs handled as a dead
+        worker's) and dropped from the registry. None for an unknown worker."""
+        with self._lock:
+            record = self._workers.get(worker_id)
+        if record is None:
+            return None
+        self.mark_dead(record, reason)
+        with self._lock:
+            self._workers.pop(worker_id, None)
+        record.endpoint.close()
+        return record
 
     def mark_dead(self, record: WorkerRecord, reason: str) -> None:
         with self._lock:

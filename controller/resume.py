@@ -50,10 +50,13 @@ class AutoResume:
                 if job.broken:
                     self._restore_broken(job)
                 if reply is None:
-                    reply = self._step_reply(job, seq, self._run_step(job, seq, request, mode))
+                    started = time.perf_counter()
+                    replies = self._run_step(job, seq, request, mode)
+                    reply = self._step_reply(job, seq, replies)
                     if mode == "train":
                         job.steps += 1
                         job.journal.append((seq, request, reply.loss))
+                    self.metrics.step(job, mode, time.perf_counter() - started, replies, reply.loss)
                 if job.journal and job.steps % every == 0:
                     self._checkpoint(job)
                 return reply

@@ -13,15 +13,19 @@ import uuid
 import grpc
 
 from atoll import _chunked as chunked
+from atoll import _log
+from atoll._auth import from_controller
 from atoll._grpc import rpc_handler, rpc_stream_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.controller import trace
 from atoll.controller.admission import AdmissionQueue, Ticket
 from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.dispatch import Call, Dispatcher, DispatchError
 from atoll.controller.fairness import FairGate
 from atoll.controller.jobs import GangScheduler, Job, JobState
 from atoll.controller.leases import Leases
+from atoll.controller.metrics import ControllerMetrics
 from atoll.controller.placement import place
 from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.rendezvous import Rendezvous
@@ -30,6 +34,7 @@ from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_
 from atoll.core import checkpoint
 from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
+from atoll.core.spans import KEPT_STEPS
 from atoll.core.wire import (
     EdgeSpec,
     join_rows,
@@ -43,7 +48,7 @@ from atoll.core.wire import (
     tensor_spec_to_pb,
     tensor_to_pb,
 )
-from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound
+from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound, NotPermitted
 
 log = logging.getLogger("atoll.controller")
 
@@ -96,6 +101,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self.admission = AdmissionQueue(self._lock)
         self._compile_lock = threading.Lock()
         self.gate = FairGate()
+        self.metrics = ControllerMetrics(self.registry.all, self._all_jobs, self._queue_length)
 
     # ------------------------------------------------------------------ workers
 
@@ -125,7 +131,26 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
 
     @rpc_handler
     def Heartbeat(self, request, context):
-        return pb.HeartbeatReply(known=self.registry.heartbeat(request.worker_id))
+        return pb.HeartbeatReply(known=self.registry.heartbeat(request.worker_id, request.rss_bytes))
+
+    @rpc_handler
+    def DeregisterWorker(self, request, context):
+        """A stopping worker leaves at once: its jobs are handled as a dead worker's, and it is no
+        longer listed. Only a registered worker may ask (its call carries the key it was given)."""
+        if not from_controller(context, self.controller_key):
+            raise NotPermitted("DeregisterWorker: only a worker registered with this controller may call it")
+        record = self.registry.deregister(request.worker_id, "it stopped (deregistered)")
+        if record is None:
+            raise NotFound(f"unknown worker {request.worker_id!r}")
+        return pb.Empty()
+
+    def _all_jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def _queue_length(self) -> int:
+        with self._lock:
+            return len(self.admission.snapshot())
 
     # ------------------------------------------------------------------ jobs
 
@@ -252,7 +277,8 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             if cfg.auto_resume:  # there is always a checkpoint to resume from
                 self._checkpoint(job)
         except (DispatchError, InvalidInput) as e:
-            job.fail(f"loading failed: {e}")
+            if job.fail(f"loading failed: {e}"):
+                self.metrics.failed(job)
             self._unload(job, wait=True)
             if isinstance(e, InvalidInput):
                 raise
@@ -315,11 +341,13 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                 raise InvalidInput(f"edge '{spec.name}': {s} needs {s.nbytes} bytes, message carries {len(t.data)}")
 
     @rpc_handler
+    @_log.in_context(lambda request: (request.job_id, request.seq or None))
     def Step(self, request, context):
         job = self._ready_job(request.job_id)
         with job.order:  # steps go out in the client's order, each as soon as its turn comes
             seq = request.seq or job.next_seq
             self._await_turn(job, seq)
+            started = time.perf_counter()
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self._ready_job(request.job_id)  # a worker may have died while this step waited
                 mode = self._check_step(job, request)
@@ -342,7 +370,9 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         if mode == "train":  # status counts training steps
             with job.order:
                 job.steps += 1
-        return self._step_reply(job, seq, replies)
+        reply = self._step_reply(job, seq, replies)
+        self.metrics.step(job, mode, time.perf_counter() - started, replies, reply.loss)
+        return reply
 
     def _check_step(self, job: Job, request: pb.StepRequest) -> str:
         """The step's mode, once its batch matches the job's specs; raises InvalidInput otherwise."""
@@ -617,6 +647,23 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         with job.order:
             return pb.PlanReply(plan_json=json.dumps(job.report), next_step=job.next_seq)
 
+    @rpc_handler
+    def GetTimeline(self, request, context):
+        """The job's measured timelines of the asked steps beside the predicted one (controller/trace.py)."""
+        job = self._ready_job(request.job_id)
+        if request.last < 0 or len(request.steps) > KEPT_STEPS:
+            raise InvalidInput(f"ask for at most {KEPT_STEPS} steps (workers keep the last {KEPT_STEPS})")
+        ask = pb.TimelineRequest(job_id=job.job_id, steps=request.steps, last=request.last)
+        replies = self.dispatcher.each([Call(w, "GetTimeline", ask) for w in job.workers], 30.0)
+        gathered = []
+        for i, (w, reply) in enumerate(zip(job.workers, replies)):
+            if isinstance(reply, Exception):
+                raise JobFailed(f"timeline of job {job.job_id}: {w.describe()}: {reply}")
+            rank = job.compiled.topology.coordinates(i)[1]
+            gathered.append(trace.WorkerSteps(i, f"worker {i} (rank {rank}) {w.worker_id}", reply.steps))
+        events, summary = trace.build(job.compiled, gathered)
+        return pb.TimelineReply(trace_json=json.dumps(events), summary_json=json.dumps(summary))
+
     def _unload(self, job: Job, wait: bool) -> None:
         """Unload the job from its live workers (waiting for their answers, or not) and stop
         counting it in their load."""
@@ -636,6 +683,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         """Fail the job and free what it holds on its workers at once (nothing can use it any
         more); its record and error stay for status until the client closes it."""
         if job.fail(reason):
+            self.metrics.failed(job)
             self._unload(job, wait=False)
 
     @rpc_handler
@@ -655,6 +703,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             self._closed.add(job.job_id)
             held = {j.session for j in self._jobs.values()}
         self.gate.forget(job.job_id)
+        self.metrics.forget(job)
         if job.session and job.session not in held:
             self.leases.forget(job.session)
 
@@ -711,6 +760,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                     jobs=sorted(w.jobs),
                     pid=w.pid,
                     island=w.island,
+                    rss_bytes=w.rss_bytes,
                 )
                 for w in self.registry.all()
             ],
@@ -726,6 +776,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                     error=j.error,
                     steps_per_s=j.steps / max(now - j.loaded_at, 1e-9),
                     exclusive=j.exclusive,
+                    has_loss=j.last_loss is not None,
+                    last_loss=j.last_loss or 0.0,
+                    predicted_peak_bytes=j.predicted_peak_bytes,
+                    measured_peak_bytes=j.measured_peak_bytes,
                 )
                 for j in jobs
             ],
@@ -735,3 +789,4 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self._stopped.set()
         self.registry.stop()
         self.dispatcher.close()
+        self.metrics.close()

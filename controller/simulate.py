@@ -82,7 +82,7 @@ def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
     return list(dict.fromkeys(local)), list(dict.fromkeys(remote))
 
 
-def _matching_recvs(send: Action, routes: Routes) -> list[Action]:
+def matching_recvs(send: Action, routes: Routes) -> list[Action]:
     s, m = send.stage, send.microbatch
     if send.kind is Kind.SEND_F:
         return list(dict.fromkeys(Action(e.dst, Kind.RECV_F, m) for _, e in routes.remote_out(s)))
@@ -145,7 +145,7 @@ def simulate(
             return None
         # STEP: every send of this rank must have been received by its peer
         for s in (x for x in actions[rank][: pos[rank]] if x.kind in (Kind.SEND_F, Kind.SEND_B)):
-            for recv in _matching_recvs(s, routes):
+            for recv in matching_recvs(s, routes):
                 if recv not in posted:
                     return f"its send {s} has no receive posted by rank {topo.rank_of(recv.stage)}"
         return None
@@ -160,16 +160,19 @@ def simulate(
             end = start + durations(a)
             spans[rank].append(Span(start, end, a))
             done[a] = end
-        elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-            posted[a], end = start, start
-        elif a.kind is Kind.REDUCE_GRAD:
-            peers = routes.tied_peers(rank)
-            start = max([start, *(reduced.get(p, clock[p]) for p in peers)])
-            end = reduced[rank] = start + durations(a)
         else:
-            end = start + durations(a)
-            if a.kind is not Kind.STEP:
-                done[a] = end
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                posted[a], end = start, start + durations(a)
+            elif a.kind is Kind.REDUCE_GRAD:
+                peers = routes.tied_peers(rank)
+                start = max([start, *(reduced.get(p, clock[p]) for p in peers)])
+                end = reduced[rank] = start + durations(a)
+            else:
+                end = start + durations(a)
+                if a.kind is not Kind.STEP:
+                    done[a] = end
+            if end > start:  # the default durations give data-plane actions none
+                spans[rank].append(Span(start, end, a))
         clock[rank] = end
 
     progress = True

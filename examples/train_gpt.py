@@ -9,8 +9,9 @@
     python examples/train_gpt.py --workers 8 --tensor-parallel 2 --data-parallel 2 --zero   # PP2 x TP2 x DP2
 
 Starts an embedded LocalCluster (a controller and 4 workers as subprocesses on 127.0.0.1),
-submits the model as a pipeline, trains it with a progress bar, prints the plan, the losses and
-a sample of generated text, and stops every process it started.
+submits the model as a pipeline, trains it with a progress bar (tqdm, when stderr is a terminal;
+otherwise a line every 10% of the steps), prints the plan, the losses and a sample of generated
+text, and stops every process it started.
 """
 
 from __future__ import annotations
@@ -28,11 +29,33 @@ import atoll  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss, sample  # noqa: E402
 
 
-def progress(step: int, total: int, loss: float, rate: float, width: int = 30) -> None:
-    filled = int(width * step / total)
-    bar = "#" * filled + "-" * (width - filled)
-    sys.stdout.write(f"\r[{bar}] step {step}/{total}  loss {loss:.3f}  {rate:.1f} steps/s")
-    sys.stdout.flush()
+class Progress:
+    """A tqdm bar on a terminal; in a log (stderr not a terminal), a plain line every ~10% of the
+    steps and at the last one: step i/N, loss, steps/s, ETA."""
+
+    def __init__(self, total: int):
+        self.total, self.started = total, time.monotonic()
+        self.every = max(1, total // 10)
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def line(self, step: int, loss: float) -> str:
+        rate = step / max(time.monotonic() - self.started, 1e-9)
+        eta = (self.total - step) / rate
+        return f"step {step}/{self.total}  loss {loss:.3f}  {rate:.1f} steps/s  ETA {eta:.0f}s"
+
+    def update(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.update(1)
+            if step == self.total:
+                self.bar.close()
+                print(self.line(step, loss), flush=True)  # the last step stays in the output, as in a log
+        elif step % self.every == 0 or step == self.total:
+            print(self.line(step, loss), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,10 +127,10 @@ def main(argv: list[str] | None = None) -> None:
         print(job.plan.render())
         losses = []
         t0 = time.monotonic()
+        progress = Progress(args.steps)
         for step in range(1, args.steps + 1):
             losses.append(job.step(*corpus.batch(args.batch, cfg.block_size, data)))
-            progress(step, args.steps, losses[-1], step / (time.monotonic() - t0))
-        print()
+            progress.update(step, losses[-1])
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         print(
             f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "

@@ -23,6 +23,7 @@ from atoll.local import LocalCluster
 from atoll.plan import ClusterStatus, Plan
 from atoll.program import Program, Value
 from atoll.remote import RemoteValue
+from atoll.trace import Trace
 
 __all__ = [
     "AtollError",
@@ -41,6 +42,7 @@ __all__ = [
     "RemoteValue",
     "StepFuture",
     "StepResult",
+    "Trace",
     "Unauthenticated",
     "Value",
     "WorkerUnavailable",

@@ -3,7 +3,10 @@ is deserialized.
 
 Every daemon rejects a call whose ``authorization`` metadata does not carry the token. The check
 sits in a server interceptor, which sees the method name and metadata only; a rejected call is
-answered by a handler with no request deserializer, so its payload is never parsed.
+answered by a handler with no request deserializer, so its payload is never parsed. The one
+exception is the standard gRPC health service (``grpc.health.v1.Health``), which load balancers,
+Kubernetes probes and ``grpc_health_probe`` call without credentials: it answers SERVING or
+NOT_SERVING and reveals nothing else.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def resolve_token(
         text = path.read_text().strip()
         if not text:
             raise InvalidInput(f"token file {path} is empty")
+        if not (text.isascii() and text.isprintable()):  # gRPC metadata would refuse it, less clearly
+            raise InvalidInput(f"token file {path} does not hold a token (one line of printable ASCII)")
         return text
     if create:
         return create_token_file(path)
@@ -77,6 +82,10 @@ def from_controller(context: grpc.ServicerContext, expected: str) -> bool:
     return bool(expected) and hmac.compare_digest(presented.encode(), expected.encode())
 
 
+PUBLIC_METHOD_PREFIX = "/grpc.health.v1.Health/"
+"""Methods every caller may use without the token: the health service's Check and Watch."""
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
@@ -87,6 +96,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(PUBLIC_METHOD_PREFIX):
+            return continuation(handler_call_details)
         presented = ""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == METADATA_KEY:

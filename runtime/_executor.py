@@ -25,6 +25,7 @@ from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten
 from atoll.core.memory import MemorySnapshot, PeakMeter, SavedTensors, storage_bytes, storage_key
 from atoll.core.optim import build_optimizer
+from atoll.core.spans import CATEGORY, WAIT, History, StepSpans
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
@@ -93,6 +94,7 @@ class _StepState:
     """Bytes this rank put into its tensor-parallel island's collectives."""
     waiting_s: float = 0.0
     """Time spent blocked on the data plane: the measured bubble plus transfer time."""
+    spans: StepSpans = field(default_factory=lambda: StepSpans(0))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -183,6 +185,8 @@ class PipelineExecutor:
         self.optimizer_bytes = 0
         self.failure = ""
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
+        self.history = History()
+        """The spans of the last steps (atoll.core.spans), read by the controller's timelines."""
 
     # ------------------------------------------------------------------ load time
 
@@ -228,9 +232,16 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one step
 
-    def run_step(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, mode: str = "train"):
-        """Run the action list once (or its forward actions, see STEP_MODES); returns
-        (per-microbatch losses, measured memory, the last stage's full-batch output in forward mode)."""
+    def run_step(
+        self,
+        inputs: list[torch.Tensor] | None,
+        targets: list[torch.Tensor] | None,
+        mode: str = "train",
+        step: int = 0,
+    ):
+        """Run the action list once (or its forward actions, see STEP_MODES) as step number
+        ``step``; returns (per-microbatch losses, measured memory, the last stage's full-batch
+        output in forward mode)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
         runs = STEP_MODES[mode]
@@ -241,17 +252,23 @@ class PipelineExecutor:
             cuda = self.device.type == "cuda"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
-            state = _StepState(mode, self._split(inputs), self._split(targets))
+            state = _StepState(mode, self._split(inputs), self._split(targets), spans=StepSpans(step))
+            self.history.add(state.spans)  # a failed step's spans show where it stopped
+            record = state.spans.spans.append
             position, action = -1, None
             try:
                 with torch.set_grad_enabled(mode == "train"):
                     for position, action in enumerate(self.actions):  # noqa: B007 (read on failure)
                         if runs is not None and action.kind not in runs:
                             continue
-                        self._run(action, state)
+                        name = str(action)
+                        begun = time.time()
+                        with torch.profiler.record_function(f"atoll {name}"):
+                            self._run(action, state)
+                        record((name, CATEGORY[action.kind], begun, time.time()))
                         if action.is_compute or action.kind is Kind.STEP:
                             self._observe(state)
-                self._wait(state.sends, state)
+                self._wait(state.sends, state, "sends")
                 losses = [float(state.losses[m]) for m in sorted(state.losses)]
                 outputs = [
                     torch.cat([state.outputs[m][i] for m in sorted(state.outputs)]).cpu()
@@ -290,11 +307,15 @@ class PipelineExecutor:
                 measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
             return losses, measured, outputs
 
-    def _wait(self, handles, state: _StepState) -> None:
-        started = time.perf_counter()
+    def _wait(self, handles, state: _StepState, what: str | None = None) -> None:
+        """Wait for data-plane ``handles``; a wait for ``what`` is recorded as its own span."""
+        started = time.time()
         for handle in handles:
             handle.wait(self.timeout_s)
-        state.waiting_s += time.perf_counter() - started
+        ended = time.time()
+        state.waiting_s += ended - started
+        if what is not None:
+            state.spans.spans.append((f"{WAIT} {what}", WAIT, started, ended))
 
     def _split(self, tensors: list[torch.Tensor] | None) -> list[list[torch.Tensor]] | None:
         if tensors is None:
@@ -352,7 +373,7 @@ class PipelineExecutor:
             buffers, handles = state.pending_recvs.pop(action)
         except KeyError:
             raise RuntimeError(f"compute needs {action}, which was not posted before it") from None
-        self._wait(handles, state)
+        self._wait(handles, state, str(action))
         return buffers
 
     def _send_forward(self, action: Action, state: _StepState) -> None:
@@ -549,7 +570,7 @@ class PipelineExecutor:
         state.waiting_s += time.perf_counter() - started
 
     def _optimizer_step(self, action: Action, state: _StepState) -> None:
-        self._wait(state.sends, state)
+        self._wait(state.sends, state, "sends")
         state.sends.clear()
         if self.optimizer is None:
             return

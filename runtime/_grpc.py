@@ -7,11 +7,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import threading
 import traceback
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from atoll import _chunked as chunked
 from atoll import _tls, errors
@@ -42,14 +45,64 @@ def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tup
         interceptors=[TokenInterceptor(token)],
         options=CHANNEL_OPTIONS,
     )
+    _check_free(host, port)
     tls = _tls.current()
-    if tls is not None:
-        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        if tls is not None:
+            bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # newer gRPC raises where older ones returned 0
+        bound = 0
     if bound == 0:
         raise errors.WorkerUnavailable(f"could not bind {host}:{port}")
     return server, bound
+
+
+def _check_free(host: str, port: int) -> None:
+    """Refuse a host that does not resolve, or a port something already listens on, in one clear
+    line (gRPC's own refusal also writes a log line of its C core to stderr). Binds as gRPC does,
+    with SO_REUSEADDR, so a port left in TIME_WAIT by a daemon that just stopped counts as free."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as e:
+        raise errors.WorkerUnavailable(f"could not bind {host}:{port}: {e.strerror or e}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise errors.WorkerUnavailable(f"could not bind {host}:{port}: {e.strerror}") from None
+
+
+class Health:
+    """A daemon's standard gRPC health service (``grpc.health.v1.Health``), answered without the
+    token (atoll._auth) so ``grpc_health_probe`` and Kubernetes' gRPC probes can ask it. It reports
+    the same status for the whole server ("") and for each of ``services`` (e.g. "atoll.v1.Worker");
+    NOT_SERVING until ``set(True)``, and for good once ``shutdown()`` is called."""
+
+    def __init__(self, server: grpc.Server, *services: str):
+        self._servicer = grpc_health.HealthServicer()
+        self._names = ("", *services)
+        self.serving = True  # the servicer starts with "" SERVING: set(False) below overrides it
+        self._down = False
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.set(False)
+
+    def set(self, serving: bool) -> None:
+        if serving == self.serving or self._down:  # called on every heartbeat: mostly nothing to do
+            return
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._names:
+            self._servicer.set(name, status)
+
+    def shutdown(self) -> None:
+        """NOT_SERVING from now on (the daemon is stopping)."""
+        self.serving, self._down = False, True
+        self._servicer.enter_graceful_shutdown()
 
 
 def rpc_handler(method):

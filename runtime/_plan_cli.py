@@ -11,6 +11,7 @@ cluster would compile (less the placement).
 from __future__ import annotations
 
 import json
+import os
 import runpy
 
 from atoll._rpc import atoll_pb2 as pb
@@ -51,6 +52,8 @@ class _PlanOnlyClient(Client):
 
 
 def build_plan(model_file: str, **overrides) -> Plan:
+    if not os.path.isfile(model_file):
+        raise InvalidInput(f"{model_file}: no such file")
     namespace = runpy.run_path(model_file)
     if "build" not in namespace:
         raise InvalidInput(f"{model_file} defines no build() returning the arguments of Client.pipeline")

@@ -23,6 +23,7 @@ from atoll.errors import InvalidInput
 from atoll.plan import ClusterStatus, JobStatus, Plan, QueuedRequest, WorkerStatus
 from atoll.program import Program
 from atoll.remote import RemoteValue
+from atoll.trace import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +155,21 @@ class Job:
             pending = list(self._pending)
         for future in pending:
             future.details()
+
+    def timeline(
+        self, steps: list[int] | None = None, *, last: int = 1, path: str | os.PathLike | None = None
+    ) -> Trace:
+        """The timelines of steps sent so far (by their numbers, 1 = the job's first call; by
+        default the last ``last``): each worker's actions as measured beside the compiler's
+        prediction, with the bubble fractions. Workers keep their last 64 steps. With ``path``,
+        also writes the Chrome trace JSON there (open it in https://ui.perfetto.dev)."""
+        self._wait_for_sent_steps()
+        request = pb.TimelineRequest(job_id=self.id, steps=list(steps or []), last=last)
+        reply = self._client._call("GetTimeline", request)
+        trace = Trace(json.loads(reply.trace_json), json.loads(reply.summary_json))
+        if path is not None:
+            trace.save(path)
+        return trace
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
@@ -409,6 +425,7 @@ class Client:
                     tuple(w.jobs),
                     w.pid,
                     w.island,
+                    rss_bytes=w.rss_bytes,
                 )
                 for w in reply.workers
             ),
@@ -424,6 +441,9 @@ class Client:
                     j.error,
                     j.steps_per_s,
                     j.exclusive,
+                    last_loss=j.last_loss if j.has_loss else None,
+                    predicted_peak_bytes=j.predicted_peak_bytes,
+                    measured_peak_bytes=j.measured_peak_bytes,
                 )
                 for j in reply.jobs
             ),
@@ -445,8 +465,11 @@ class Client:
         self.close()
 
 
+CONTROLLER_ENV = "ATOLL_CONTROLLER"
+
+
 def connect(
-    address: str,
+    address: str | None = None,
     token: str | None = None,
     *,
     token_file: str | None = None,
@@ -455,9 +478,13 @@ def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
 ) -> Client:
-    """A client of the controller at ``address``; the token defaults to $ATOLL_TOKEN or the token
-    file. ``tls_ca`` (a PEM file) connects over TLS to a controller started with ``--tls-*``;
-    ``tls_cert``/``tls_key`` present a client certificate."""
+    """A client of the controller at ``address`` (default: $ATOLL_CONTROLLER); the token defaults
+    to $ATOLL_TOKEN or the token file ($ATOLL_TOKEN_FILE, else ~/.atoll/token). ``tls_ca`` (a PEM
+    file) connects over TLS to a controller started with ``--tls-*``; ``tls_cert``/``tls_key``
+    present a client certificate."""
+    address = address or os.environ.get(CONTROLLER_ENV, "")
+    if not address:
+        raise InvalidInput(f"no controller address: pass connect(address='HOST:PORT') or set ${CONTROLLER_ENV}")
     tls = Tls.from_files(tls_ca, tls_cert, tls_key)
     return Client(address, resolve_token(token, token_file), timeout_s=timeout_s, tls=tls)
 

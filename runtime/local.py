@@ -39,7 +39,12 @@ class LocalCluster:
 
     Use as a context manager. Every process is started by this object, tracked by PID, and
     stopped on exit (also when the body raises); each daemon also exits by itself if this
-    process dies. Logs go to ``log_dir`` (kept when ``keep_logs``).
+    process dies. Logs go to ``log_dir``, removed on a clean exit; kept when ``keep_logs``, when
+    the body raised (a job failed, say) or when a daemon exited with an error, and then named in
+    one line on stderr.
+
+    ``metrics_port`` (0: a free one) has the controller serve Prometheus metrics at
+    ``http://{metrics_address}/metrics``.
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class LocalCluster:
         log_level: str = "WARNING",
         devices: list[str] | None = None,
         islands: list[str] | None = None,
+        metrics_port: int | None = None,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -76,12 +82,16 @@ class LocalCluster:
         ``client()`` trusts the CA."""
         self.keep_logs = keep_logs
         self.log_level = log_level
+        self.metrics_port = metrics_port
+        self.metrics_address = ""
+        """host:port of the controller's Prometheus metrics (with ``metrics_port``)."""
         self.address = ""
         self.token = ""
         self.log_dir: Path | None = None
         self.controller: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self._logs: list = []
+        self._killed: set[int] = set()  # PIDs stopped on purpose (kill_worker): their exit is no error
 
     @property
     def pids(self) -> list[int]:
@@ -151,9 +161,12 @@ class LocalCluster:
                     str(self.heartbeat_interval_s),
                     "--lease-timeout",
                     str(self.lease_timeout_s),
+                    *([] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]),
                 ],
             )
-            self.address = self._wait_file(ready, self.controller, deadline)
+            # the ready file: the address, then "metrics HOST:PORT" when the controller serves metrics
+            self.address, *rest = self._wait_file(ready, self.controller, deadline).splitlines()
+            self.metrics_address = next((line.split()[1] for line in rest if line.startswith("metrics ")), "")
             for i in range(self.num_workers):
                 self.workers.append(
                     self._spawn(
@@ -178,7 +191,7 @@ class LocalCluster:
                 self._wait_file(self.log_dir / f"worker{i}.ready", proc, deadline)
             self._wait_registered(deadline)
         except BaseException:
-            self.stop()
+            self.stop(failed=True)
             raise
         return self
 
@@ -198,20 +211,37 @@ class LocalCluster:
     def kill_worker(self, index: int) -> int:
         """SIGKILL one worker (to test failure handling); returns its PID."""
         proc = self.workers[index]
+        self._killed.add(proc.pid)
         proc.kill()
         proc.wait(10)
         return proc.pid
 
-    def stop(self) -> None:
-        stop_processes([p for p in [*self.workers, self.controller] if p is not None])
+    def stop(self, failed: bool = False) -> None:
+        """Stop every process. The logs are removed unless ``keep_logs``, ``failed`` (the caller
+        saw an error) or a daemon exited with an error (not 0, nor -15: killed by SIGTERM before
+        its handler was in place); kept logs are named on stderr."""
+        procs = [p for p in [*self.workers, self.controller] if p is not None]
+        stop_processes(procs)
         for log in self._logs:
             log.close()
         self._logs.clear()
-        if self.log_dir is not None and not self.keep_logs:
+        if self.log_dir is None or self.keep_logs or not self.log_dir.exists():
+            return
+        names = {id(self.controller): "controller", **{id(w): f"worker{i}" for i, w in enumerate(self.workers)}}
+        bad = [
+            f"{names[id(p)]} exited with code {p.returncode}"
+            for p in procs
+            if p.returncode not in (0, -signal.SIGTERM) and p.pid not in self._killed
+        ]
+        if failed or bad:
+            why = "; ".join(bad) or "the cluster's user raised an error"
+            print(f"atoll LocalCluster: {why}; its logs are kept in {self.log_dir}", file=sys.stderr, flush=True)
+        else:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # an error in the body keeps the logs; Ctrl-C, or a generator closed early, is no failure
+        self.stop(failed=exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 _ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
 
@@ -129,6 +129,8 @@ class WorkerStatus:
     jobs: tuple[str, ...]
     pid: int
     island: str
+    rss_bytes: int = 0
+    """Resident memory of the worker's process at its last heartbeat (0: not reported yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +145,12 @@ class JobStatus:
     error: str
     steps_per_s: float
     exclusive: bool
+    last_loss: float | None = None
+    """Mean microbatch loss of the last training step (None before the first)."""
+    predicted_peak_bytes: int = 0
+    """The plan's largest predicted per-rank peak."""
+    measured_peak_bytes: int = 0
+    """The largest per-worker peak measured in the last training step (0: no step yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,19 +171,54 @@ class ClusterStatus:
     jobs: tuple[JobStatus, ...]
     queue: tuple[QueuedRequest, ...] = ()
 
+    def islands(self) -> dict[str, list[WorkerStatus]]:
+        """The workers of each island, islands by name."""
+        out: dict[str, list[WorkerStatus]] = {}
+        for w in sorted(self.workers, key=lambda w: w.island):
+            out.setdefault(w.island, []).append(w)
+        return out
+
+    def to_dict(self) -> dict:
+        """Everything as plain data (``atoll status --json``): islands, workers, jobs, queue."""
+        return {
+            "islands": [
+                {
+                    "name": name,
+                    "workers": [w.worker_id for w in members],
+                    "alive": sum(w.alive for w in members),
+                    "devices": sorted({w.device for w in members}),
+                }
+                for name, members in self.islands().items()
+            ],
+            "workers": [asdict(w) for w in self.workers],
+            "jobs": [asdict(j) for j in self.jobs],
+            "queue": [asdict(q) for q in self.queue],
+        }
+
     def render(self) -> str:
-        lines = [f"workers ({sum(w.alive for w in self.workers)} alive):"]
+        lines = [f"islands ({len(self.islands())}):"]
+        for name, members in self.islands().items():
+            devices = ",".join(sorted({w.device for w in members}))
+            ids = ",".join(w.worker_id for w in members)
+            lines.append(
+                f"  {name or '-'}: {ids} alive={sum(w.alive for w in members)}/{len(members)} devices={devices}"
+            )
+        lines.append(f"workers ({sum(w.alive for w in self.workers)} alive):")
         for w in self.workers:
             state = "alive" if w.alive else "dead"
+            memory = f"rss {_mib(w.rss_bytes)} MiB" if w.rss_bytes else "rss -"
             lines.append(
                 f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} island={w.island} pid={w.pid} "
-                f"heartbeat {w.seconds_since_heartbeat:.1f}s ago  jobs={','.join(w.jobs) or '-'}"
+                f"{memory}  heartbeat {w.seconds_since_heartbeat:.1f}s ago  jobs={','.join(w.jobs) or '-'}"
             )
         lines.append(f"jobs ({len(self.jobs)}):")
         for j in self.jobs:
+            loss = "-" if j.last_loss is None else f"{j.last_loss:.4f}"
+            measured = _mib(j.measured_peak_bytes) if j.measured_peak_bytes else "-"
             lines.append(
                 f"  {j.job_id:6} {j.state:7} {j.name} schedule={j.schedule} stages={j.stages} "
-                f"steps={j.steps} ({j.steps_per_s:.1f}/s) workers={','.join(j.workers)}"
+                f"steps={j.steps} ({j.steps_per_s:.1f}/s) loss={loss} "
+                f"peak MiB predicted/measured={_mib(j.predicted_peak_bytes)}/{measured} workers={','.join(j.workers)}"
                 + (" exclusive" if j.exclusive else "")
                 + (f"  error: {j.error}" if j.error else "")
             )

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from atoll import _chunked as chunked
+from atoll import _log
 from atoll._auth import from_controller
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
-from atoll._grpc import Endpoint, make_server, rpc_handler, rpc_stream_handler
+from atoll._grpc import Endpoint, Health, make_server, rpc_handler, rpc_stream_handler
 from atoll._nccl import NcclTransport
 from atoll._relay import Relay
 from atoll._rendezvous import ControllerStore
@@ -62,6 +63,36 @@ def _check_plan(routes: Routes, request: pb.LoadPlanRequest) -> None:
     for t in routes.flow.tied:
         if any(not 0 <= s < n for s in t.stages):
             raise ValueError(f"tied parameter {t.name} names a stage outside 0..{n - 1}")
+
+
+def check_device(device: str) -> None:
+    """Refuse (InvalidInput) a device this process cannot use, before anything is started."""
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidInput(f"device {device!r} is not a torch device ({e})") from None
+    if kind.type == "cpu":
+        return
+    if kind.type != "cuda":
+        raise InvalidInput(f"device {device!r}: a worker runs on cpu or cuda:N")
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise InvalidInput(f"device {device}: {why} (torch {torch.__version__})")
+    if kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise InvalidInput(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (sent with each heartbeat)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: the peak instead (KiB on Linux, bytes on macOS)
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def controller_only(method):
@@ -118,6 +149,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if self.device.type == "cuda":  # gRPC runs each call on a pool thread; CUDA's device is per thread
             torch.cuda.set_device(self.device)
 
+    @_log.in_context(lambda request: (request.job_id, None))
     def _load(self, request: pb.LoadPlanRequest) -> pb.LoadPlanReply:
         with self._lock:
             if request.job_id in self._jobs:
@@ -284,6 +316,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = self._step(request)
         yield pb.RunStepEvent(reply=reply)
 
+    @_log.in_context(lambda request: (request.job_id, request.step + 1))  # the client's step number
     def _step(self, request: pb.RunStepRequest) -> pb.RunStepReply:
         """Run one step of a loaded job; call in the request's turn."""
         control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
@@ -299,7 +332,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.target_refs:
                 targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
                 pulled += sum(t.nbytes for t in targets)
-            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train")
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled
@@ -394,6 +427,15 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Ping(self, request, context):
         return pb.Empty()
 
+    @rpc_handler
+    @controller_only
+    def GetTimeline(self, request: pb.TimelineRequest, context):
+        """The spans of the job's recent steps on this worker (atoll.core.spans); not ordered with
+        steps, so it answers while a step runs."""
+        executor = self._job(request.job_id)
+        held = executor.history.select(list(request.steps), request.last)
+        return pb.WorkerTimeline(steps=[s.to_pb(executor.rank) for s in held])
+
 
 class WorkerDaemon:
     """Serves the Worker service and keeps itself registered with the controller."""
@@ -410,11 +452,15 @@ class WorkerDaemon:
         island: str = "",
         allow_pickle: bool = False,
     ):
+        check_device(device)
         forbid_pickle(allow_pickle)
         self.controller_address = controller
         self.service = WorkerService(device=device, host=advertise_host or host, token=token, bind_host=host)
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
+        self.health = Health(self.server, "atoll.v1.Worker")
+        """grpc.health.v1: SERVING while registered and its heartbeats reach the controller."""
+        self._token = token
         self.address = f"{advertise_host or host}:{self.port}"
         self.device = device
         self.island = island
@@ -448,6 +494,8 @@ class WorkerDaemon:
         self.service.relay.use_controller_key(reply.controller_key)
         self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
+        _log.set_worker(self.worker_id)
+        self.health.set(True)
         log.info("registered as %s at %s", self.worker_id, self.address)
 
     def _heartbeat_loop(self) -> None:
@@ -456,11 +504,15 @@ class WorkerDaemon:
                 if not self.worker_id:
                     self._register()
                     continue
-                reply = self._controller.call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id), timeout_s=5.0)
+                beat = pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes())
+                reply = self._controller.call("Heartbeat", beat, timeout_s=5.0)
                 if not reply.known:
                     log.warning("controller does not know %s; registering again", self.worker_id)
+                    self.health.set(False)
                     self._register()
+                self.health.set(True)
             except AtollError as e:
+                self.health.set(False)
                 log.warning("heartbeat to %s failed: %s", self.controller_address, e)
 
     def start(self, register_timeout_s: float = 30.0) -> None:
@@ -477,8 +529,30 @@ class WorkerDaemon:
                 time.sleep(0.5)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
+    def _deregister(self, timeout_s: float = 2.0) -> None:
+        """Leave the controller at once (not after its heartbeat timeout); its call carries the
+        key the controller gave at registration, which only its workers hold."""
+        if not self.worker_id or not self.service.controller_key:
+            return
+        endpoint = Endpoint(
+            self.controller_address,
+            self._token,
+            pb_grpc.ControllerStub,
+            default_timeout_s=timeout_s,
+            controller_key=self.service.controller_key,
+        )
+        try:
+            endpoint.call("DeregisterWorker", pb.WorkerRef(worker_id=self.worker_id))
+            log.info("deregistered %s", self.worker_id)
+        except AtollError as e:  # the controller may be gone or stopping too
+            log.info("could not deregister %s: %s", self.worker_id, e)
+        finally:
+            endpoint.close()
+
     def stop(self) -> None:
         self._stop.set()
+        self.health.shutdown()
+        self._deregister()
         self.server.stop(grace=1.0).wait(5.0)
         self.service.values.close()
         self.service.relay.close()

@@ -1,6 +1,7 @@
 """Every process a LocalCluster starts is stopped by PID, on a clean exit and on an error."""
 
 import os
+import shutil
 
 import pytest
 
@@ -16,11 +17,19 @@ def test_local_cluster_stops_everything_it_started():
         with cluster.client() as client:
             assert sum(w.alive for w in client.status().workers) == 2
     assert not any(alive(p) for p in pids)
+    assert not cluster.log_dir.exists()  # a clean exit: every daemon exited 0 on SIGTERM
 
 
-def test_local_cluster_stops_everything_when_the_body_raises():
+def test_local_cluster_stops_everything_when_the_body_raises(capfd):
+    """... and keeps its logs, saying where (a clean exit removes them, as the test above shows)."""
     with pytest.raises(RuntimeError, match="boom"):
         with atoll.LocalCluster(workers=1) as cluster:
             pids = cluster.pids
             raise RuntimeError("boom")
     assert not any(alive(p) for p in pids)
+    try:
+        assert (cluster.log_dir / "controller.log").is_file() and (cluster.log_dir / "worker0.log").is_file()
+        (line,) = [x for x in capfd.readouterr().err.splitlines() if "LocalCluster" in x]
+        assert line.endswith(f"its logs are kept in {cluster.log_dir}"), line
+    finally:
+        shutil.rmtree(cluster.log_dir, ignore_errors=True)

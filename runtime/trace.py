@@ -1,0 +1,34 @@
+"""A job's timelines as the client gets them: Chrome trace JSON (measured rows per worker,
+predicted rows per pipeline rank, send -> receive arrows) and the bubble fractions beside it.
+Built by the controller (controller/trace.py) from the spans workers record (atoll.core.spans)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    events: dict
+    """Chrome trace JSON: open the saved file in https://ui.perfetto.dev or chrome://tracing."""
+    summary: dict
+    """Steps covered, per worker its measured and predicted bubble fraction, arrow counts."""
+
+    @property
+    def bubbles(self) -> dict[int, tuple[float | None, float | None]]:
+        """Worker index -> (measured, predicted) bubble fraction."""
+        return {w["worker"]: (w["measured_bubble"], w["predicted_bubble"]) for w in self.summary["workers"]}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the Chrome trace JSON to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.events, f)
+
+    def plot(self, path: str | os.PathLike) -> None:
+        """Render the measured timeline with the predicted rows under it as a PNG (needs
+        matplotlib: ``pip install 'atoll[plot]'``)."""
+        from atoll._plot import render
+
+        render(self, path)
