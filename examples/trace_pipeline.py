@@ -52,7 +52,7 @@ def traced_job(
     schedule: str = "gpipe",
     width: int = 64,
     hidden: int = 16384,
-    rows_per_microbatch: int = 64,
+    rows_per_microbatch: int = 128,
     steps: int = 6,
     traced: int = 3,
 ) -> tuple[atoll.Job, atoll.Trace]:

@@ -239,9 +239,9 @@ class PipelineExecutor:
         mode: str = "train",
         step: int = 0,
     ):
-        """Run the action list once (or its forward actions, see STEP_MODES) as step number
-        ``step``; returns (per-microbatch losses, measured memory, the last stage's full-batch
-        output in forward mode)."""
+        """Run the action list once (or its forward actions, see STEP_MODES) as the client's step
+        number ``step`` (1 = the job's first); returns (per-microbatch losses, measured memory,
+        the last stage's full-batch output in forward mode)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
         runs = STEP_MODES[mode]

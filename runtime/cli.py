@@ -195,10 +195,13 @@ def _status(args) -> None:
             print(f"{client.address} at {time.strftime('%H:%M:%S')} (every {args.watch:g}s, Ctrl-C to stop)")
         print(status.render(), flush=True)
 
+    stop = threading.Event()
+    if args.watch:  # Ctrl-C ends the loop between calls: one interrupted mid-call could hang gRPC's exit
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
     try:
         show(client.status())  # the first answer must come: an error here is the command's
-        while args.watch:
-            time.sleep(args.watch)
+        while args.watch and not stop.wait(args.watch):
             try:
                 show(client.status())
             except (WorkerUnavailable, DeadlineExceeded) as e:  # the controller may be restarting

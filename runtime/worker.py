@@ -332,7 +332,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             if request.target_refs:
                 targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
                 pulled += sum(t.nbytes for t in targets)
-            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step + 1)
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled

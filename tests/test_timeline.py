@@ -33,6 +33,7 @@ def _spans(events, pid):
 
 def test_trace_json_has_a_row_per_worker_and_predicted_rows(gpipe_run):
     _, _, _, trace, path = gpipe_run
+    assert trace.summary["steps"] == [4, 5, 6]  # the client's numbers: 6 steps sent, the last 3 traced
     events = json.loads(path.read_text())["traceEvents"]  # Python's json reads what Perfetto reads
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     measured = sorted(t for p, t in rows if p == 1)
