@@ -8,8 +8,9 @@ traced steps (mean per stage and kind, less the waits inside), laid over each tr
 where its first compute started. Flow arrows go from each send to the wait of the receive that
 took it on the peer.
 
-Bubble fraction, over the window the simulation predicts it for: the step's compute window (the
-first forward to start on any worker until the last compute to end on any). A worker's bubble is
+Bubble fraction, over the window the simulation predicts it for: a training step's compute window
+(the first forward to start on any worker until the last compute to end on any; evaluation and
+inference steps are drawn but not counted). A worker's bubble is
 the share of that window it spent idle: outside its actions, or inside one waiting on the data
 plane (a compute waiting for its receive, a step waiting for its sends). Reported per worker:
 measured, predicted by the plan (F = 1, B = 2, data-plane actions free: the plan's
@@ -153,14 +154,14 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         flows += made
         unmatched += missing
         windows = [w for w in map(_window, spans_of.values()) if w is not None]
-        if len(spans_of) != len(workers) or not windows:
-            continue  # a worker no longer holds this step, or it computed nothing: no bubble from it
+        training = any(s.name.endswith("STEP") for spans in spans_of.values() for s in spans)
+        if len(spans_of) != len(workers) or not windows or not training:
+            continue  # a worker no longer holds it, or an evaluation the schedule's prediction is not for
         start, end = min(w[0] for w in windows), max(w[1] for w in windows)
         window_total += end - start
         for index, spans in spans_of.items():
             busy[index] += _busy(spans, (start, end))
-        if any(s.name.endswith("STEP") for spans in spans_of.values() for s in spans):
-            trained[step] = start
+        trained[step] = start
     planned = simulated_bubbles(compiled.timeline)
     at_costs: dict[int, float] = {}
     if trained:  # the plan's schedule, simulated with the costs its actions had in these steps

@@ -8,9 +8,23 @@ import json
 import re
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import atoll
+from atoll import cli
+from atoll._auth import resolve_token
+from atoll._export import export_pipeline
+from atoll._rpc import atoll_pb2 as pb
+from atoll.controller import trace
+from atoll.controller.compiler import PipelineRequest, compile_pipeline
+from atoll.controller.daemon import ControllerConfig, ControllerDaemon
+from atoll.core.actions import Action, Kind
+from atoll.core.config import JobConfig
+from atoll.worker import WorkerDaemon
 from examples.trace_pipeline import traced_job
+from tests.models import mlp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,13 +112,6 @@ def test_measured_bubble_is_within_5_points_of_the_prediction(gpipe_run):
 def test_actions_are_named_ranges_in_a_torch_profiler_trace(tmp_path):
     """A user profiling the process that runs a worker sees each action as ``atoll <action>``
     (here controller and worker run in this process, so one profiler sees the worker's threads)."""
-    import torch
-
-    from atoll._auth import resolve_token
-    from atoll.controller.daemon import ControllerConfig, ControllerDaemon
-    from atoll.worker import WorkerDaemon
-    from tests.models import mlp
-
     token_file = str(tmp_path / "token")
     controller = ControllerDaemon(ControllerConfig(token_file=token_file))
     controller.start()
@@ -129,8 +136,6 @@ def test_actions_are_named_ranges_in_a_torch_profiler_trace(tmp_path):
 
 
 def test_atoll_trace_writes_the_json_and_a_png(gpipe_run, tmp_path, capsys):
-    from atoll import cli
-
     cluster, _, job, _, _ = gpipe_run
     out, png = tmp_path / "trace.json", tmp_path / "trace.png"
     args = ["trace", job.id, "-o", str(out), "--png", str(png), "--last", "2"]
@@ -140,3 +145,57 @@ def test_atoll_trace_writes_the_json_and_a_png(gpipe_run, tmp_path, capsys):
     rows = {e["tid"] for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 1}
     assert rows == set(range(STAGES))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _replayed(compiled, step: int, drop: str = ""):
+    """Spans a worker would record running ``compiled``'s action lists with the plan's own costs
+    (F 1 s, B 2 s, the data plane free): each compute begins when the one before it ended and
+    waits inside for its receive until the simulated start. ``drop`` leaves one span out."""
+    routes, workers = compiled.routes, []
+    for rank, actions in compiled.lowered.actions.items():
+        simulated = {s.action: s for s in compiled.timeline.spans[rank]}
+        clock, spans = 0.0, []
+        for a in actions:
+            if a.is_compute:
+                start, end = simulated[a].start, simulated[a].end
+                receives = routes.needs_recv_f(a.stage) if a.kind is Kind.FORWARD else routes.needs_recv_b(a.stage)
+                if receives:
+                    recv = Action(a.stage, Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B, a.microbatch)
+                    spans.append(pb.ActionSpan(name=f"wait {recv}", category="wait", start_s=clock, end_s=start))
+                spans.append(pb.ActionSpan(name=str(a), category="compute", start_s=clock, end_s=end))
+                clock = end
+            else:
+                category = {"SEND": "send", "RECV": "recv"}.get(a.kind.value[:4], "step")
+                spans.append(pb.ActionSpan(name=str(a), category=category, start_s=clock, end_s=clock))
+        spans = [s for s in spans if s.name != drop]
+        workers.append(trace.WorkerSteps(rank, f"rank {rank}", [pb.StepTimeline(step=step, rank=rank, spans=spans)]))
+    return workers
+
+
+def test_a_run_at_the_plans_costs_measures_the_plans_bubble():
+    """The trace's arithmetic on spans made to the plan's own costs: the measured bubble is the
+    predicted one exactly, every send finds its receive, and a receive that never ran is named."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    ported = export_pipeline(model, x, y, F.mse_loss, 4)
+    request = PipelineRequest(
+        model=ported.model,
+        aliases=ported.aliases,
+        loss=ported.loss,
+        input=ported.input,
+        target=ported.target,
+        config=JobConfig(stages=3, microbatches=4, schedule="1f1b"),
+    )
+    compiled = compile_pipeline(request)
+    _, summary = trace.build(compiled, _replayed(compiled, step=1))
+    planned = trace.simulated_bubbles(compiled.timeline)
+    for w in summary["workers"]:
+        assert w["measured_bubble"] == pytest.approx(planned[w["rank"]], abs=1e-9)
+        assert w["predicted_bubble"] == pytest.approx(planned[w["rank"]])
+        assert w["predicted_bubble_at_measured_costs"] == pytest.approx(planned[w["rank"]], abs=1e-9)
+    sends = sum(a.kind.value.startswith("SEND") for acts in compiled.lowered.actions.values() for a in acts)
+    assert summary["flows"] == sends and summary["unmatched_sends"] == []
+
+    _, summary = trace.build(compiled, _replayed(compiled, step=2, drop="wait 1RECV_F2"))
+    assert summary["unmatched_sends"] == ["step 2: worker 0 0SEND_F2 -> worker 1 1RECV_F2"]
