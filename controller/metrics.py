@@ -26,6 +26,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from atoll.core.actions import STEP_MODES
 from atoll.errors import WorkerUnavailable
 
 log = logging.getLogger("atoll.controller")
@@ -123,7 +124,7 @@ class ControllerMetrics:
         """Drop a closed job's series."""
         for metric in (self.steps, self.failures):
             _remove(metric, job.job_id, job.name)
-        for mode in ("train", "evaluate", "forward"):
+        for mode in STEP_MODES:
             _remove(self.step_seconds, job.job_id, job.name, mode)
         for worker_id, kind in self._moved.pop(job.job_id, ()):
             _remove(self.bytes_moved, job.job_id, job.name, worker_id, kind)

@@ -53,19 +53,26 @@ def _overlap(start: float, end: float, window: tuple[float, float]) -> float:
     return max(0.0, min(end, window[1]) - max(start, window[0]))
 
 
+def _actions(spans: Sequence[pb.ActionSpan]) -> list[tuple[pb.ActionSpan, list[pb.ActionSpan]]]:
+    """One worker's actions in one step, in time order, each with the waits on the data plane
+    that lie inside it (a wait outside every action, after the last send, belongs to none)."""
+    actions = sorted((s for s in spans if s.category != "wait"), key=lambda s: s.start_s)
+    starts = [a.start_s for a in actions]
+    inside: list[list[pb.ActionSpan]] = [[] for _ in actions]
+    for w in spans:
+        i = bisect.bisect_right(starts, w.start_s) - 1 if w.category == "wait" else -1
+        if i >= 0 and w.end_s <= actions[i].end_s:
+            inside[i].append(w)
+    return list(zip(actions, inside))
+
+
 def _busy(spans: Sequence[pb.ActionSpan], window: tuple[float, float]) -> float:
     """Seconds of ``window`` a worker spent in its actions (one worker, one step), less the waits
     on the data plane inside them."""
-    actions = sorted((s.start_s, s.end_s) for s in spans if s.category != "wait")
-    starts = [a[0] for a in actions]
-    busy = sum(_overlap(start, end, window) for start, end in actions)
-    for w in spans:
-        if w.category != "wait":
-            continue
-        i = bisect.bisect_right(starts, w.start_s) - 1
-        if i >= 0 and w.end_s <= actions[i][1]:
-            busy -= _overlap(w.start_s, w.end_s, window)
-    return busy
+    return sum(
+        _overlap(a.start_s, a.end_s, window) - sum(_overlap(w.start_s, w.end_s, window) for w in waits)
+        for a, waits in _actions(spans)
+    )
 
 
 def _window(spans: Sequence[pb.ActionSpan]) -> tuple[float, float] | None:
@@ -95,12 +102,10 @@ def measured_costs(steps: Sequence[dict[int, list[pb.ActionSpan]]]) -> Callable[
     count: dict[tuple[int, Kind], int] = defaultdict(int)
     for spans_of in steps:
         for spans in spans_of.values():
-            waits = [w for w in spans if w.category == "wait"]
-            for s in spans:
-                if s.category != "wait":
-                    a = Action.parse(s.name)
-                    total[a.stage, a.kind] += _busy([s, *waits], (s.start_s, s.end_s))
-                    count[a.stage, a.kind] += 1
+            for span, waits in _actions(spans):
+                a = Action.parse(span.name)
+                total[a.stage, a.kind] += span.end_s - span.start_s - sum(w.end_s - w.start_s for w in waits)
+                count[a.stage, a.kind] += 1
     mean = {key: total[key] / count[key] for key in total}
     return lambda a: mean.get((a.stage, a.kind), 0.0)
 

@@ -185,6 +185,8 @@ class PipelineExecutor:
         self.optimizer_bytes = 0
         self.failure = ""
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
+        self._labels = [(str(a), f"atoll {a}", CATEGORY[a.kind]) for a in actions]
+        """Per action of the list: its span name, profiler range and span category."""
         self.history = History()
         """The spans of the last steps (atoll.core.spans), read by the controller's timelines."""
 
@@ -261,11 +263,11 @@ class PipelineExecutor:
                     for position, action in enumerate(self.actions):  # noqa: B007 (read on failure)
                         if runs is not None and action.kind not in runs:
                             continue
-                        name = str(action)
+                        name, profiled, category = self._labels[position]
                         begun = time.time()
-                        with torch.profiler.record_function(f"atoll {name}"):
+                        with torch.profiler.record_function(profiled):
                             self._run(action, state)
-                        record((name, CATEGORY[action.kind], begun, time.time()))
+                        record((name, category, begun, time.time()))
                         if action.is_compute or action.kind is Kind.STEP:
                             self._observe(state)
                 self._wait(state.sends, state, "sends")

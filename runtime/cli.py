@@ -172,18 +172,18 @@ def _worker(args) -> None:
     )
 
 
-def _status(args) -> None:
+def _connect(args, **options):
+    """A client of the command's controller, with its token file and TLS flags."""
     from atoll.client import connect
+
+    tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
+    return connect(_controller_address(args), token_file=args.token_file, **tls, **options)
+
+
+def _status(args) -> None:
     from atoll.errors import DeadlineExceeded, WorkerUnavailable
 
-    client = connect(
-        _controller_address(args),
-        token_file=args.token_file,
-        timeout_s=args.timeout,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
+    client = _connect(args, timeout_s=args.timeout)
 
     def show(status) -> None:
         if args.json:
@@ -211,11 +211,7 @@ def _status(args) -> None:
 
 
 def _trace(args) -> None:
-    from atoll.client import connect
-
-    address = _controller_address(args)
-    tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
-    with connect(address, token_file=args.token_file, **tls) as client:
+    with _connect(args) as client:
         trace = client.job(args.job_id).timeline(args.steps, last=args.last, path=args.output)
     if args.png:
         trace.plot(args.png)

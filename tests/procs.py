@@ -7,6 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
@@ -57,3 +60,8 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -
         assert time.monotonic() < deadline, f"{path} not written in {timeout_s}s"
         time.sleep(0.05)
     return path.read_text().strip()
+
+
+def health(channel: grpc.Channel) -> int:
+    """grpc_health_probe's question (grpc.health.v1 Check, no token) over ``channel``."""
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status

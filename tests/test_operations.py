@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 import atoll
 from atoll import cli
 from atoll.local import stop_processes
 from tests import models
-from tests.procs import wait_for_file
+from tests.procs import health, wait_for_file
 
 ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "atoll.cli"]
@@ -38,7 +38,7 @@ def _env(**extra: str) -> dict:
 def _health(address: str) -> int:
     """grpc_health_probe's question, from a plain channel with no token."""
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        return health(channel)
 
 
 def _wait_health(address: str, want: int, timeout_s: float = 20.0) -> None:
