@@ -3,10 +3,9 @@
 gRPC caps one message (atoll._grpc.MAX_MESSAGE_BYTES), and a model's weights ride in three calls:
 the submitted program (SubmitPipeline), each worker's stage programs (LoadPlan) and the state
 read back (GetState). Those calls go through the ``Chunked`` RPC of either service instead. The
-caller sends the serialized message in pieces of ``CHUNK_BYTES``; a message too large for protobuf
-(over ``LIFT_ABOVE``) first has its large bytes fields (a program, a tensor's data) lifted out,
-and they follow the rest in pieces of their own. The first piece names the method, the sizes and
-where each lifted field goes. The service puts the message
+caller sends the serialized message in pieces of ``CHUNK_BYTES``, its large bytes fields (a
+program, a tensor's data) lifted out first: they follow the rest in pieces of their own. The
+first piece names the method, the sizes and where each lifted field goes. The service puts the message
 back together, runs the method as if called directly (same checks, same errors) and sends its
 reply back the same way. Protobuf's own 2 GiB limit applies to the message without its lifted
 fields only, so a model is limited by memory, not by a message size.
@@ -24,10 +23,9 @@ from atoll.errors import InvalidInput
 
 CHUNK_BYTES = 4 << 20  # measured: 4 MiB pieces stream fastest here (~200 MB/s in one process; 16 MiB: 145)
 LIFT_BYTES = 1 << 20
-"""In a message too large for protobuf, bytes fields larger than this travel beside it."""
-LIFT_ABOVE = 1 << 30
-"""Messages up to this size cross whole: lifting costs two more copies of each field, and on
-memory as slow to touch as this machine's (about 0.5 GB/s into fresh pages) copies are the cost."""
+"""Bytes fields larger than this travel beside the message. Lifting is the cheaper way for any
+size: with upb, reading such a field out and setting it back costs about 2.3 s/GB here, where
+serializing the message whole costs 2.5 s/GB, and merely asking its size (ByteSize) another 2.6."""
 CHUNKED_METHODS = frozenset({"SubmitPipeline", "LoadPlan", "GetState"})
 
 
@@ -60,7 +58,7 @@ def _holder(message, path: tuple):
 def pieces(method: str, message) -> Iterator[pb.Chunk]:
     """``message`` as Chunks; its large fields are lifted out while the rest is serialized, then
     put back, so the caller's message is unchanged."""
-    lifted = _large_fields(message) if message.ByteSize() > LIFT_ABOVE else []
+    lifted = _large_fields(message)
     for path, _ in lifted:
         holder, name = _holder(message, path)
         holder.ClearField(name)
