@@ -660,7 +660,17 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             if isinstance(reply, Exception):
                 raise JobFailed(f"timeline of job {job.job_id}: {w.describe()}: {reply}")
             rank = job.compiled.topology.coordinates(i)[1]
-            gathered.append(trace.WorkerSteps(i, f"worker {i} (rank {rank}) {w.worker_id}", reply.steps))
+            gathered.append(
+                trace.WorkerSteps(
+                    i,
+                    f"worker {i} (rank {rank}) {w.worker_id}",
+                    reply.steps,
+                    host=w.host,
+                    device=w.device,
+                    cpus=list(reply.cpus),
+                    threads=reply.compute_threads,
+                )  # fmt: skip
+            )
         events, summary = trace.build(job.compiled, gathered)
         return pb.TimelineReply(trace_json=json.dumps(events), summary_json=json.dumps(summary))
 

@@ -43,6 +43,38 @@ class WorkerSteps:
     """Worker index in the job (controller/topology.py)."""
     label: str
     steps: Sequence[pb.StepTimeline]
+    host: str = ""
+    device: str = "cpu"
+    cpus: Sequence[int] = ()
+    """The CPUs the worker's process may run on; empty when unknown."""
+    threads: int = 1
+    """Its torch intra-op threads."""
+
+
+def oversubscribed(workers: Sequence[WorkerSteps]) -> list[dict]:
+    """Hosts whose CPU workers run more compute threads than they have CPUs between them. There
+    a busy worker waits for a core and fewer busy workers run faster, so measured bubbles drift
+    from a prediction that assumes a device per worker (README: Limits)."""
+    by_host: dict[str, list[WorkerSteps]] = defaultdict(list)
+    for w in workers:
+        if w.device.startswith("cpu") and w.cpus:
+            by_host[w.host].append(w)
+    found = []
+    for host, on_host in sorted(by_host.items()):
+        threads, cpus = sum(max(1, w.threads) for w in on_host), len({c for w in on_host for c in w.cpus})
+        if threads > cpus:
+            found.append({"host": host, "workers": [w.index for w in on_host], "threads": threads, "cpus": cpus})
+    return found
+
+
+def oversubscription_note(hosts: Sequence[dict]) -> str | None:
+    """One line for a person, or None when every host has a CPU per compute thread."""
+    if not hosts:
+        return None
+    each = "; ".join(
+        f"{h['threads']} compute threads of workers {h['workers']} on {h['cpus']} CPUs of {h['host']}" for h in hosts
+    )
+    return f"oversubscribed: {each}. The prediction assumes a device per worker; measured bubbles drift from it here"
 
 
 def _us(seconds: float) -> float:
@@ -175,6 +207,7 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         at_costs = simulated_bubbles(timeline)
         for step, start in trained.items():
             _predicted_rows(timeline, start, origin, step, events)
+    crowded = oversubscribed(workers)
     summary = {
         "steps": sorted(by_step),
         "schedule": topo.schedule,
@@ -193,6 +226,8 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         ],
         "flows": flows,
         "unmatched_sends": unmatched,
+        "oversubscribed": crowded,
+        "note": oversubscription_note(crowded),
         "predicted_rows_for_steps": sorted(trained),
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"atoll": summary}}, summary

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         trace.plot(out / "trace.png")
     keys = ("measured_bubble", "predicted_bubble", "predicted_bubble_at_measured_costs")
     rows = {f"worker {w['worker']}": {k: round(w[k], 3) for k in keys} for w in trace.summary["workers"]}
+    if trace.summary["note"]:
+        print(trace.summary["note"], file=sys.stderr)
     print(json.dumps({"steps": trace.summary["steps"], "bubble": rows, "files": sorted(map(str, out.iterdir()))}))
 
 

@@ -215,6 +215,8 @@ def _trace(args) -> None:
         trace = client.job(args.job_id).timeline(args.steps, last=args.last, path=args.output)
     if args.png:
         trace.plot(args.png)
+    if trace.summary["note"]:
+        print(f"atoll trace: {trace.summary['note']}", file=sys.stderr)
     print(json.dumps({"trace": args.output, "png": args.png, **trace.summary}))
 
 

@@ -14,7 +14,8 @@ class Trace:
     events: dict
     """Chrome trace JSON: open the saved file in https://ui.perfetto.dev or chrome://tracing."""
     summary: dict
-    """Steps covered, per worker its measured and predicted bubble fraction, arrow counts."""
+    """Steps covered, per worker its measured and predicted bubble fraction, arrow counts, hosts
+    whose CPU workers share too few CPUs ("oversubscribed") and a line saying so ("note")."""
 
     @property
     def bubbles(self) -> dict[int, tuple[float | None, float | None]]:

@@ -434,7 +434,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         steps, so it answers while a step runs."""
         executor = self._job(request.job_id)
         held = executor.history.select(list(request.steps), request.last)
-        return pb.WorkerTimeline(steps=[s.to_pb(executor.rank) for s in held])
+        return pb.WorkerTimeline(
+            steps=[s.to_pb(executor.rank) for s in held], cpus=_cpus(), compute_threads=torch.get_num_threads()
+        )
+
+
+def _cpus() -> list[int]:
+    """The CPUs this process may run on: a timeline built on a host whose workers share too few
+    of them is flagged (controller/trace.py)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return list(range(os.cpu_count() or 1))
 
 
 class WorkerDaemon:
