@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from atoll import _address
 from atoll._auth import resolve_token
 from atoll._grpc import Health, make_server
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
@@ -53,7 +54,7 @@ class ControllerDaemon:
         pb_grpc.add_ControllerServicer_to_server(self.service, self.server)
         self.health = Health(self.server, "atoll.v1.Controller")
         """grpc.health.v1: SERVING once started, NOT_SERVING from the moment it begins to stop."""
-        self.address = f"{config.host}:{self.port}"
+        self.address = _address.join(config.host, self.port)
         self.metrics_address = ""
         """host:port of the metrics server once started ("" without one)."""
 

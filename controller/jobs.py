@@ -96,6 +96,12 @@ class Job:
                 continue
         return peak
 
+    def stepped(self, mode: str, loss: float, replies: list) -> None:
+        """A step ended well: a training step's loss and the workers' accounting (RunStepReply,
+        in worker order) are kept for status."""
+        if mode == "train":
+            self.last_loss, self.last_memory = loss, tuple(r.memory_json for r in replies)
+
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""
         if self.state in (JobState.LOADING, JobState.READY):

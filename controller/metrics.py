@@ -1,5 +1,6 @@
-"""What the controller measures of its jobs: the status fields of a finished step (last loss,
-measured peak memory) and the Prometheus metrics served with ``atoll controller --metrics-port``.
+"""What the controller measures of its jobs: the Prometheus metrics served with
+``atoll controller --metrics-port`` (a job's last loss and peak memory, for status, are kept on
+the job itself: Job.stepped).
 
 Metrics live in a registry of this controller's own (never prometheus_client's global one), so
 several controllers in one process (tests) do not mix. Per job (labels ``job``, the id, and
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from atoll import _address
 from atoll.core.actions import STEP_MODES
 from atoll.errors import WorkerUnavailable
 
@@ -95,14 +97,12 @@ class ControllerMetrics:
         self._server = None
         self.address = ""
 
-    def step(self, job, mode: str, seconds: float, replies: list, loss: float) -> None:
+    def step(self, job, mode: str, seconds: float, replies: list) -> None:
         """A step of ``job`` ended well after ``seconds``; ``replies`` are the workers' RunStepReply
-        in worker order. Keeps a training step's loss and the workers' accounting on the job (for
-        status, parsed only when asked) and counts the step. The bytes each worker moved are
-        counted only while metrics are served: that parses every worker's accounting, about 10 µs
-        each, which a job of a thousand workers would otherwise pay on every step."""
+        in worker order. Counts the step. The bytes each worker moved are counted only while
+        metrics are served: that parses every worker's accounting, about 10 µs each, which a job
+        of a thousand workers would otherwise pay on every step."""
         if mode == "train":
-            job.last_loss, job.last_memory = loss, tuple(r.memory_json for r in replies)
             self.steps.labels(job.job_id, job.name).inc()
         self.step_seconds.labels(job.job_id, job.name, mode).observe(seconds)
         if self._server is None:
@@ -135,7 +135,7 @@ class ControllerMetrics:
             self._server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
             raise WorkerUnavailable(f"could not serve metrics on {host}:{port}: {e.strerror or e}") from None
-        self.address = f"{host}:{self._server.server_port}"
+        self.address = _address.join(host, self._server.server_port)
         log.info("metrics on http://%s/metrics", self.address)
         return self.address
 

@@ -56,7 +56,8 @@ class AutoResume:
                     if mode == "train":
                         job.steps += 1
                         job.journal.append((seq, request, reply.loss))
-                    self.metrics.step(job, mode, time.perf_counter() - started, replies, reply.loss)
+                    job.stepped(mode, reply.loss, replies)
+                    self.metrics.step(job, mode, time.perf_counter() - started, replies)
                 if job.journal and job.steps % every == 0:
                     self._checkpoint(job)
                 return reply

@@ -371,7 +371,8 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             with job.order:
                 job.steps += 1
         reply = self._step_reply(job, seq, replies)
-        self.metrics.step(job, mode, time.perf_counter() - started, replies, reply.loss)
+        job.stepped(mode, reply.loss, replies)
+        self.metrics.step(job, mode, time.perf_counter() - started, replies)
         return reply
 
     def _check_step(self, job: Job, request: pb.StepRequest) -> str:

@@ -16,8 +16,8 @@ import grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from atoll import _address, _tls, errors
 from atoll import _chunked as chunked
-from atoll import _tls, errors
 from atoll._auth import TokenInterceptor, call_metadata
 
 log = logging.getLogger("atoll")
@@ -49,13 +49,13 @@ def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tup
     tls = _tls.current()
     try:
         if tls is not None:
-            bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            bound = server.add_secure_port(_address.join(host, port), tls.server_credentials())
         else:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            bound = server.add_insecure_port(_address.join(host, port))
     except RuntimeError:  # newer gRPC raises where older ones returned 0
         bound = 0
     if bound == 0:
-        raise errors.WorkerUnavailable(f"could not bind {host}:{port}")
+        raise errors.WorkerUnavailable(f"could not bind {_address.join(host, port)}")
     return server, bound
 
 

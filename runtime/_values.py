@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from atoll import _address
 from atoll.core.wire import TensorSpec, dtype_name, tensor_bytes, tensor_from_bytes
 from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
 
@@ -48,8 +49,9 @@ class ValueStore:
         self._values: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.bytes_served = 0
-        self._server = socket.create_server((host, 0))
-        self.address = f"{advertise_host or host}:{self._server.getsockname()[1]}"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.create_server((host.strip("[]"), 0), family=family)
+        self.address = _address.join(advertise_host or host, self._server.getsockname()[1])
         self._closed = False
         threading.Thread(target=self._serve, name="values", daemon=True).start()
 
@@ -112,9 +114,8 @@ class ValueStore:
 
 def pull(address: str, token: str, value_id: str, timeout_s: float) -> torch.Tensor:
     """The remote value ``value_id`` from the worker whose value server listens at ``address``."""
-    host, port = address.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+        with socket.create_connection(_address.split(address), timeout=timeout_s) as conn:
             conn.settimeout(timeout_s)
             conn.sendall(f"{token} {value_id}\n".encode())
             header = json.loads(_read_line(conn))

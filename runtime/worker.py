@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from atoll import _address, _log
 from atoll import _chunked as chunked
-from atoll import _log
 from atoll._auth import from_controller
 from atoll._cuda_ipc import CudaIpcTransport
 from atoll._executor import PipelineExecutor, StageSetup
@@ -472,7 +472,7 @@ class WorkerDaemon:
         self.health = Health(self.server, "atoll.v1.Worker")
         """grpc.health.v1: SERVING while registered and its heartbeats reach the controller."""
         self._token = token
-        self.address = f"{advertise_host or host}:{self.port}"
+        self.address = _address.join(advertise_host or host, self.port)
         self.device = device
         self.island = island
         self._controller = Endpoint(controller, token, pb_grpc.ControllerStub, default_timeout_s=10.0)

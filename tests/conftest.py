@@ -1,5 +1,6 @@
 import os
 import signal
+import tempfile
 
 import pytest
 
@@ -18,6 +19,17 @@ def no_stray_processes():
         except ProcessLookupError:
             pass
     assert not leftover, f"processes started by the test suite outlived it: {leftover}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_in_pytests_tree(tmp_path_factory):
+    """A LocalCluster keeps its logs when a daemon died, which several tests cause on purpose:
+    its temporary folders go under pytest's own temporary tree (pruned to the last 3 runs), not
+    /tmp."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = before
 
 
 @pytest.fixture(scope="session")

@@ -312,3 +312,42 @@ def test_log_records_carry_worker_job_and_step(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].endswith("INFO atoll.test [worker=w7 job=job3 step=12] inside"), err
     assert err[1].endswith("INFO atoll.test [worker=w7 job=- step=-] outside"), err
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_daemons_on_an_ipv6_host_write_it_in_brackets(tmp_path):
+    """``--host ::1``: every address a daemon reports is ``[::1]:port`` (what gRPC targets and the
+    value servers' peers read), and a job, a remote value and status work through them."""
+    from atoll._auth import resolve_token
+    from atoll.controller.daemon import ControllerConfig, ControllerDaemon
+    from atoll.worker import WorkerDaemon
+
+    token_file = str(tmp_path / "token")
+    controller = ControllerDaemon(ControllerConfig(host="::1", token_file=token_file))
+    controller.start()
+    worker = WorkerDaemon(controller=controller.address, token=resolve_token(token_file=token_file), host="::1")
+    try:
+        worker.start()
+        assert re.fullmatch(r"\[::1\]:\d+", controller.address) and re.fullmatch(r"\[::1\]:\d+", worker.address)
+        model, batches, loss_fn = models.mlp()
+        x, y = batches[0]
+        with atoll.connect(controller.address, token_file=token_file) as client:
+            job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=1, microbatches=2)
+            target = client.put(y)
+            assert torch.equal(target.result(), y)
+            assert job.step(x, target) > 0
+            job.close()
+            (listed,) = client.status().workers
+            assert listed.address == worker.address and listed.alive
+    finally:
+        worker.stop()
+        controller.stop()
