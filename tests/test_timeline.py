@@ -100,7 +100,9 @@ def test_measured_bubble_is_within_5_points_of_the_prediction(gpipe_run):
     """The plan predicts GPipe's (p - 1) / (m + p - 1) with every stage's forward costing 1 and
     backward 2 and the data plane free. The simulator, given the costs the actions really had in
     the traced steps, must predict each worker's measured bubble within 5 points: what it does not
-    model (contention for this host's cores, wake-up latency) is all that may separate them."""
+    model (contention for this host's cores, wake-up latency) is all that may separate them. Where
+    the host has a CPU per worker thread (not this 2-core CI machine: the trace flags it), the
+    measurement must also be within 5 points of the plan's own prediction."""
     _, _, _, trace, _ = gpipe_run
     planned = (STAGES - 1) / (MICROBATCHES + STAGES - 1)
     for w in trace.summary["workers"]:
@@ -108,6 +110,8 @@ def test_measured_bubble_is_within_5_points_of_the_prediction(gpipe_run):
         measured, predicted = w["measured_bubble"], w["predicted_bubble_at_measured_costs"]
         assert abs(measured - predicted) <= 0.05, w
         assert trace.bubbles[w["worker"]] == (measured, w["predicted_bubble"])
+        if not trace.summary["oversubscribed"]:
+            assert abs(measured - planned) <= 0.05, w
 
 
 def test_a_host_with_fewer_cpus_than_compute_threads_is_flagged(gpipe_run):
