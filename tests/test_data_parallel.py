@@ -91,11 +91,15 @@ def test_hugging_face_gpt2_on_two_replicas_matches_single_process(client4, stage
         losses = [job.step(x, y) for x, y in batches]
         state = job.state_dict()
         moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
+        peaks = {w: m["peak"]["total"] for w, m in job.last.memory.items()}  # the optimizer state exists by now
     finally:
         job.close()
     tied = {"lm.transformer.wte.weight": [0, 1]} if stages == 2 else {}  # one stage holds both uses
     assert job.plan.report["tied_parameters"] == tied
     assert moved == {w: job.plan.predicted_communication[w % stages] for w in range(2 * stages)}
+    for w, measured in peaks.items():
+        expected = job.plan.predicted_memory[w % stages]["total"]
+        assert abs(measured - expected) <= 0.1 * expected, (w, measured, expected)
     if optimizer == "adamw":
         assert_matches_but_key_bias_noise(losses, state, model, batches, models.lm_loss, 4, args)
         return
