@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 
 from atoll.errors import InvalidInput
 
@@ -59,8 +60,9 @@ def render(trace, path: str | os.PathLike) -> None:
             label += f", at measured costs {at_costs:.1%})" if at_costs is not None else ")"
         labels.append(label)
     ax.set_yticks([y_of[k] for k in rows], labels, fontsize=8)
-    ax.set_xlabel("time (ms)")
     s = trace.summary
+    # a host short of CPUs is why measured and predicted differ: say so under the axis
+    ax.set_xlabel("time (ms)" + (f"\n{textwrap.fill(s['note'], 110)}" if s.get("note") else ""))
     ax.set_title(
         f"{s['schedule']}, {s['microbatches']} microbatches, steps {s['steps']}: measured rows above, predicted below"
     )
