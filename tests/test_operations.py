@@ -53,8 +53,15 @@ def _port(address: str) -> int:
 
 
 def _assert_port_free(port: int) -> None:
+    """Binds and listens on ``port`` as a restarted daemon would: raises "Address already in use"
+    while any process still listens there. SO_REUSEADDR, which gRPC sets on its own listeners,
+    lets the bind past the stopped daemon's side of a connection its peer had not closed yet
+    (FIN_WAIT/TIME_WAIT): a plain bind refuses those, and failed in CI when the controller was
+    stopped under a live worker."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # raises "Address already in use" if the daemon still holds it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def _closed_port() -> int:
