@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 import atoll
 from atoll import cli
+from atoll._grpc import _check_free
 from atoll.local import stop_processes
 from tests import models
 from tests.procs import health, wait_for_file
@@ -53,15 +54,11 @@ def _port(address: str) -> int:
 
 
 def _assert_port_free(port: int) -> None:
-    """Binds and listens on ``port`` as a restarted daemon would: raises "Address already in use"
-    while any process still listens there. SO_REUSEADDR, which gRPC sets on its own listeners,
-    lets the bind past the stopped daemon's side of a connection its peer had not closed yet
-    (FIN_WAIT/TIME_WAIT): a plain bind refuses those, and failed in CI when the controller was
-    stopped under a live worker."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
-        s.listen()
+    """Raises while any process still listens on ``port``: the daemons' own check before they bind
+    (SO_REUSEADDR, as gRPC binds), so the stopped daemon's side of a connection its live peer has
+    not closed yet (FIN_WAIT/TIME_WAIT) does not count. A plain bind refuses those, and failed in
+    CI when the controller was stopped under a live worker."""
+    _check_free("127.0.0.1", port)
 
 
 def _closed_port() -> int:
