@@ -666,6 +666,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                     i,
                     f"worker {i} (rank {rank}) {w.worker_id}",
                     reply.steps,
+                    worker_id=w.worker_id,
                     host=w.host,
                     device=w.device,
                     cpus=list(reply.cpus),

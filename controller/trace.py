@@ -43,6 +43,7 @@ class WorkerSteps:
     """Worker index in the job (controller/topology.py)."""
     label: str
     steps: Sequence[pb.StepTimeline]
+    worker_id: str = ""
     host: str = ""
     device: str = "cpu"
     cpus: Sequence[int] = ()
@@ -210,12 +211,14 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
     crowded = oversubscribed(workers)
     summary = {
         "steps": sorted(by_step),
+        "origin_s": origin,
         "schedule": topo.schedule,
         "microbatches": topo.microbatches,
         "predicted_bubble_fraction": compiled.timeline.bubble_fraction,
         "workers": [
             {
                 "worker": w.index,
+                "worker_id": w.worker_id,
                 "label": w.label,
                 "rank": rank_of_worker[w.index],
                 "measured_bubble": None if window_total <= 0 else 1.0 - busy[w.index] / window_total,

@@ -22,6 +22,19 @@ class Trace:
         """Worker index -> (measured, predicted) bubble fraction."""
         return {w["worker"]: (w["measured_bubble"], w["predicted_bubble"]) for w in self.summary["workers"]}
 
+    def step_starts(self) -> dict[str, dict[int, float]]:
+        """Worker id -> step number -> when the step's first action began on that worker (wall
+        clock, ``time.time()`` seconds). A worker runs the steps of all its jobs one at a time in
+        its gang order, so merging these for several jobs on one worker gives that order."""
+        origin, ids = self.summary["origin_s"], {w["worker"]: w["worker_id"] for w in self.summary["workers"]}
+        starts: dict[str, dict[int, float]] = {}
+        for e in self.events["traceEvents"]:
+            if e["ph"] == "X" and e["pid"] == 1:  # measured rows (controller/trace.py MEASURED_PID)
+                of_worker = starts.setdefault(ids[e["tid"]], {})
+                at = origin + e["ts"] / 1e6
+                of_worker[e["args"]["step"]] = min(at, of_worker.get(e["args"]["step"], at))
+        return starts
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the Chrome trace JSON to ``path``."""
         with open(path, "w") as f:

@@ -38,7 +38,7 @@ class _Trainer(threading.Thread):
             self.error = e
 
 
-def test_a_killed_worker_is_replaced_from_the_last_checkpoint_while_another_job_trains(tmp_path):
+def test_a_killed_worker_is_replaced_from_the_last_checkpoint_while_another_job_trains(tmp_path, record_property):
     model, batches, loss_fn = models.transformer()
     batches = batches * 2  # 10 steps: checkpoints after steps 3 and 6, the kill during step 6
     expected, _ = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
@@ -74,6 +74,7 @@ def test_a_killed_worker_is_replaced_from_the_last_checkpoint_while_another_job_
             trainer.join(60)
         assert trainer.error is None, trainer.error
         assert _close(losses, expected), (losses, expected)
+        record_property("restore_s", back_at - killed_at)
         assert back_at - killed_at < RESTORE_DEADLINE_S, f"the job took {back_at - killed_at:.1f} s to run again"
 
         (restore,) = client.job(job.id).plan.report["restores"]
@@ -85,6 +86,7 @@ def test_a_killed_worker_is_replaced_from_the_last_checkpoint_while_another_job_
 
         # the second job trained throughout, also while the first was being restored, and exactly
         during = [t for t, _ in trainer.done if killed_at <= t <= back_at]
+        record_property("other_job_steps_during_restore", len(during))
         assert during, "the second job made no step while the first was restored"
         other_expected, _ = train_reference(
             other, [other_batches[i % len(other_batches)] for i in range(len(trainer.done))], mse, 2, "sgd", {}

@@ -108,7 +108,7 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
     assert job_id in status.stdout and "by-hand" in status.stdout and "steps=5" in status.stdout
 
 
-def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
+def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons, record_property):
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -166,10 +166,12 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons):
     port = int(address.rsplit(":", 1)[1])  # the same address the worker knows
     start_controller(port, "second")
     client = atoll.connect(address, token_file=str(token))
-    deadline = time.monotonic() + 30
+    restarted = time.monotonic()
+    deadline = restarted + 30
     while not any(w.alive for w in client.status().workers):
         assert time.monotonic() < deadline, "the worker did not register with the new controller"
         time.sleep(0.2)
+    record_property("registered_again_after_s", time.monotonic() - restarted)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     x, y = torch.randn(8, 4), torch.randn(8, 1)

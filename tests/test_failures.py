@@ -13,7 +13,7 @@ from tests import models
     [("parallel", 1), ("relay", 1), ("relay", 0)],
     ids=["direct", "relay-member-dies", "relaying-worker-dies"],
 )
-def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, victim_rank):
+def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, victim_rank, record_property):
     """Relayed dispatch sends the step through rank 0 (one group of 2), so the dead worker is
     either a relayed member or the relaying worker itself: the error names it either way."""
     with atoll.LocalCluster(workers=3, heartbeat_timeout_s=3.0) as cluster, cluster.client() as client:
@@ -33,13 +33,15 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, vic
         with pytest.raises(atoll.JobFailed, match="has failed and must be submitted again"):
             job.step(x, y)
 
-        deadline = time.monotonic() + 15
+        started = time.monotonic()
+        deadline = started + 15
         while True:
             status = client.status()
             dead = {w.worker_id for w in status.workers if not w.alive}
             if victim.worker_id in dead or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
+        record_property("marked_dead_after_s", time.monotonic() - started)
         assert dead == {victim.worker_id}
         assert next(j for j in status.jobs if j.job_id == job.id).state == "failed"
         assert all(job.id not in w.jobs for w in status.workers)  # unloaded from the survivor at once

@@ -30,7 +30,7 @@ def _jobs(client) -> dict[str, str]:
     return {j.job_id: j.state for j in client.status().jobs}
 
 
-def test_a_dead_clients_job_is_closed_after_its_lease(tmp_path):
+def test_a_dead_clients_job_is_closed_after_its_lease(tmp_path, record_property):
     lease = 2.0
     with atoll.LocalCluster(workers=2, lease_timeout_s=lease) as cluster, cluster.client() as client:
         model, batches, loss_fn = models.mlp()
@@ -46,10 +46,12 @@ def test_a_dead_clients_job_is_closed_after_its_lease(tmp_path):
         finally:
             child.kill()
             child.wait(10)
+        killed = time.monotonic()
         deadline = time.monotonic() + lease + 15
         while owned in _jobs(client) and time.monotonic() < deadline:
             time.sleep(0.2)
         jobs = _jobs(client)
+        record_property("closed_after_s", time.monotonic() - killed)
         assert owned not in jobs, f"the dead client's job was not closed within {lease + 15}s of its lease"
         assert jobs.get(detached) == "ready"  # detached: kept until closed
         assert not any(owned in w.jobs for w in client.status().workers)  # its workers are free again

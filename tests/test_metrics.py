@@ -66,7 +66,7 @@ def test_steps_latency_and_bytes_of_a_job(cluster):
 
 
 @pytest.mark.timeout(240)
-def test_failures_and_workers_alive(cluster):
+def test_failures_and_workers_alive(cluster, record_property):
     """A job whose worker dies fails: counted once; the dead worker leaves the alive gauge."""
     with cluster.client() as client:
         job, _, batches, _ = models.submit(client, stages=2, microbatches=2, name="doomed", data_plane_timeout_s=5.0)
@@ -77,9 +77,11 @@ def test_failures_and_workers_alive(cluster):
         text = scrape(cluster)
         assert sample(text, "atoll_job_failures_total", job=job.id, name="doomed") == 1.0
         assert sample(text, "atoll_job_steps_total", job=job.id) == 1.0
-        deadline = time.monotonic() + 20  # marked dead by the failed step, or by its silence
+        started = time.monotonic()
+        deadline = started + 20  # marked dead by the failed step, or by its silence
         while sample(scrape(cluster), "atoll_workers_alive") != 1.0:
             assert time.monotonic() < deadline, scrape(cluster)
             time.sleep(0.2)
+        record_property("alive_gauge_after_s", time.monotonic() - started)
         assert sample(scrape(cluster), "atoll_jobs", state="failed") == 1.0
         job.close()

@@ -1,5 +1,9 @@
 """Three client processes train their own jobs on the same four workers at once: every job
-trains as it would alone, and they progress at the same rate."""
+trains as it would alone, and they progress at the same rate.
+
+Progress is counted in a shared worker's own sequence of steps (tests.tenant): the order the
+controller's fair queue dispatched them, which the host's scheduling of the client processes
+does not change while every job keeps steps waiting."""
 
 import subprocess
 import sys
@@ -11,12 +15,13 @@ import atoll
 from atoll.local import stop_processes
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
-from tests.tenant import SGD, train_timed
+from tests.tenant import SGD, shares_when_the_first_finished, step_starts, train_queued
 
 STEPS = 50
+STEPS_WEIGHTED = 60
 
 
-def test_three_clients_share_four_workers_fairly(tmp_path):
+def test_three_clients_share_four_workers_fairly(tmp_path, record_property):
     go = tmp_path / "go"
     with atoll.LocalCluster(workers=4) as cluster:
         token_file = tmp_path / "token"
@@ -56,21 +61,21 @@ def test_three_clients_share_four_workers_fairly(tmp_path):
         steps = [batches[i % len(batches)] for i in range(STEPS)]
         ref_losses, ref_state = train_reference(model, steps, loss_fn, 2, "sgd", SGD)
         assert_matches_reference(got["losses"], got["state"], ref_losses, ref_state)
-    # each job's share of the steps done while all three ran, counted when the first finished
-    first_done = min(r["ended"][-1] for r in results.values())
-    done = [sum(t <= first_done for t in r["ended"]) for r in results.values()]
+    # each job's share of the steps run while all three ran, counted when the first finished
+    done = list(shares_when_the_first_finished({seed: r["started"] for seed, r in results.items()}).values())
+    record_property("steps_done_when_the_first_finished", done)
     assert min(done) >= 0.8 * max(done), f"steps done when the first job finished: {done}"
 
 
-def test_busy_jobs_share_workers_in_proportion_to_their_weights():
+def test_busy_jobs_share_workers_in_proportion_to_their_weights(record_property):
     """Two jobs on the same two workers, weights 2 and 1, both always with steps waiting: while
     both run, the first gets about twice the steps (weighted fair dispatch, controller/fairness.py)."""
     with atoll.LocalCluster(workers=2) as cluster, cluster.client() as client:
-        _weighted_run(client)
+        _weighted_run(client, record_property)
 
 
-def _weighted_run(client) -> None:
-    jobs, ended = {}, {}
+def _weighted_run(client, record_property) -> None:
+    jobs, losses = {}, {}
     for name, weight in (("heavy", 2.0), ("light", 1.0)):
         model, batches, loss_fn = models.mlp(0)
         x, y = batches[0]
@@ -82,17 +87,18 @@ def _weighted_run(client) -> None:
     assert workers["heavy"] == workers["light"]  # they share both workers
 
     def run(name: str, steps: int) -> None:
-        ended[name] = train_timed(jobs[name], [(x, y)] * steps)[1]
+        losses[name] = train_queued(jobs[name], [(x, y)] * steps)
 
-    threads = [threading.Thread(target=run, args=(n, 60)) for n in jobs]
+    threads = [threading.Thread(target=run, args=(n, STEPS_WEIGHTED)) for n in jobs]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=240)
     try:
-        assert all(not t.is_alive() for t in threads)
-        first_done = min(times[-1] for times in ended.values())
-        heavy, light = (sum(t <= first_done for t in ended[n]) for n in ("heavy", "light"))
+        assert all(not t.is_alive() for t in threads) and all(len(v) == STEPS_WEIGHTED for v in losses.values())
+        done = shares_when_the_first_finished({n: step_starts(j, STEPS_WEIGHTED) for n, j in jobs.items()})
+        heavy, light = done["heavy"], done["light"]
+        record_property("heavy_light_steps_when_the_first_finished", [heavy, light])
         assert 1.6 <= heavy / light <= 2.4, f"steps done when the first job finished: heavy {heavy}, light {light}"
     finally:
         for job in jobs.values():

@@ -97,7 +97,7 @@ def _start(daemons: list, tmp_path: Path, name: str, *args: str) -> tuple[subpro
 
 
 @pytest.mark.timeout(180)
-def test_health_stops_and_deregistration(tmp_path, daemons):
+def test_health_stops_and_deregistration(tmp_path, daemons, record_property):
     """Health answers without the token on both daemons; a worker reports NOT_SERVING while its
     controller is gone and SERVING again once one answers at the same address; SIGTERM and
     SIGINT end each daemon with exit code 0 and free its port; a stopped worker leaves the
@@ -120,6 +120,7 @@ def test_health_stops_and_deregistration(tmp_path, daemons):
         while any(w.alive for w in client.status().workers):
             assert time.monotonic() - started < 10, client.status().render()
             time.sleep(0.1)
+        record_property("deregistered_after_s", time.monotonic() - started)
         assert registered.worker_id not in {w.worker_id for w in client.status().workers}
 
     worker, worker_address = _start(daemons, tmp_path, "w1", "worker", "--controller", address, *common)

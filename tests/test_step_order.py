@@ -25,19 +25,25 @@ def service():
 
 
 def take_turns(service, job, seqs):
-    went = []
+    """Each step number's call arrives in the listed order: it holds ``job.order`` from its arrival
+    until it waits for its turn or goes, so the next starts only after that."""
+    went, arrived = [], []
 
     def send(seq):
         with job.order:
+            arrived.append(seq)
             service._await_turn(job, seq)
             went.append(seq)
             job.next_seq = seq + 1
             job.order.notify_all()
 
     threads = [threading.Thread(target=send, args=(s,)) for s in seqs]
-    for t in threads:
+    for seq, t in zip(seqs, threads):
         t.start()
-        time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while seq not in arrived:
+            assert time.monotonic() < deadline, f"step {seq} never arrived"
+            time.sleep(0.001)
     for t in threads:
         t.join(10)
     return went

@@ -10,18 +10,27 @@ from atoll.errors import InvalidInput
 
 
 def run_all(turnstile, seqs, hold_s=0.0):
-    ran, lock = [], threading.Lock()
+    """Calls for ``seqs``, arriving in the listed order (each is at the turnstile before the next
+    starts); with ``hold_s``, each call, once it runs, holds its turn until every call has
+    arrived and then ``hold_s`` longer."""
+    ran, lock, all_arrived = [], threading.Lock(), threading.Event()
 
     def call(seq):
         with turnstile.turn(seq):
             with lock:
                 ran.append(seq)
-            time.sleep(hold_s)
+            if hold_s:
+                all_arrived.wait(10)
+                time.sleep(hold_s)
 
     threads = [threading.Thread(target=call, args=(s,)) for s in seqs]
-    for t in threads:
+    for seq, t in zip(seqs, threads):
         t.start()
-        time.sleep(0.01)  # arrive in the listed order
+        deadline = time.monotonic() + 10
+        while not (seq in turnstile._present or seq in ran or seq in turnstile.skipped):
+            assert time.monotonic() < deadline, f"call {seq} never reached the turnstile"
+            time.sleep(0.001)
+    all_arrived.set()
     for t in threads:
         t.join(10)
     return ran
