@@ -175,7 +175,7 @@ class CompiledPipeline:
                     "to_stage": e.dst,
                     "tensors": str(e.spec),
                     "kind": "batch" if e.src == BATCH else ("local" if self.routes.is_local(e) else "remote"),
-                    "skip": e.src != BATCH and e.dst - e.src > 1,
+                    "skip": e.skips,
                 }
                 for e in self.dataflow.edges
             ],

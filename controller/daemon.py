@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from atoll import _address
-from atoll._auth import resolve_token
+from atoll._auth import create_token_file, new_token, resolve_token, token_file_to_create
 from atoll._grpc import Health, make_server
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.service import ControllerService
@@ -31,6 +31,8 @@ class ControllerConfig:
     """Deadline of one step's RPC to each worker."""
     lease_timeout_s: float = 30.0
     """Silence of a client session after which its jobs (not detached ones) are closed."""
+    status_grace_s: float = 60.0
+    """How long a dead worker or a failed job still shows in status (``atoll status --all``: always)."""
     allow_pickle: bool = False
     """Let torch.load unpickle arbitrary objects inside submitted programs (unsafe)."""
     metrics_port: int | None = None
@@ -42,15 +44,19 @@ class ControllerDaemon:
     def __init__(self, config: ControllerConfig):
         forbid_pickle(config.allow_pickle)
         self.config = config
-        token = resolve_token(token_file=config.token_file, create=True)
+        missing = token_file_to_create(config.token_file)  # written only once the port is bound
+        token = new_token() if missing else resolve_token(token_file=config.token_file)
         self.service = ControllerService(
             token=token,
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             step_timeout_s=config.step_timeout_s,
             lease_timeout_s=config.lease_timeout_s,
+            status_grace_s=config.status_grace_s,
         )
         self.server, self.port = make_server(token, config.host, config.port)
+        if missing:
+            create_token_file(missing, token)
         pb_grpc.add_ControllerServicer_to_server(self.service, self.server)
         self.health = Health(self.server, "atoll.v1.Controller")
         """grpc.health.v1: SERVING once started, NOT_SERVING from the moment it begins to stop."""

@@ -32,6 +32,8 @@ class Job:
     state: JobState = JobState.LOADING
     steps: int = 0
     error: str = ""
+    failed_at: float = 0.0
+    """time.monotonic() when it failed."""
     next_seq: int = 1
     """The client's number of the next step to dispatch: steps go out in the client's order."""
     order: threading.Condition = field(default_factory=threading.Condition)
@@ -105,7 +107,7 @@ class Job:
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""
         if self.state in (JobState.LOADING, JobState.READY):
-            self.state, self.error = JobState.FAILED, reason
+            self.state, self.error, self.failed_at = JobState.FAILED, reason, time.monotonic()
             return True
         return False
 

@@ -30,6 +30,8 @@ class WorkerRecord:
     last_heartbeat: float = field(default_factory=time.monotonic)
     alive: bool = True
     death: str = ""
+    died_at: float = 0.0
+    """time.monotonic() when it was marked dead."""
     jobs: set[str] = field(default_factory=set)
     rss_bytes: int = 0
     """Resident memory of the worker's process, from its last heartbeat."""
@@ -113,7 +115,7 @@ class Registry:
         with self._lock:
             if not record.alive:
                 return
-            record.alive, record.death = False, reason
+            record.alive, record.death, record.died_at = False, reason, time.monotonic()
         self._on_death(record)
 
     def get(self, worker_id: str) -> WorkerRecord | None:

@@ -31,12 +31,14 @@ from atoll.controller.registry import Registry, WorkerRecord
 from atoll.controller.rendezvous import Rendezvous
 from atoll.controller.resume import AutoResume
 from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
+from atoll.controller.values import ValueTable
 from atoll.core import checkpoint
 from atoll.core.actions import STEP_MODES
 from atoll.core.config import JobConfig
 from atoll.core.spans import KEPT_STEPS
 from atoll.core.wire import (
     EdgeSpec,
+    interleave,
     join_rows,
     join_slices,
     shard_rows,
@@ -76,7 +78,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         load_timeout_s: float = 120.0,
         step_timeout_s: float = 600.0,
         lease_timeout_s: float = 30.0,
+        status_grace_s: float = 60.0,
     ):
+        self.status_grace_s = status_grace_s
+        """How long a dead worker or a failed job still shows in Status (without ``all``)."""
         self.leases = Leases(lease_timeout_s)
         self._stopped = threading.Event()
         self.controller_key = secrets.token_hex(16)
@@ -101,12 +106,14 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self.admission = AdmissionQueue(self._lock)
         self._compile_lock = threading.Lock()
         self.gate = FairGate()
+        self.values = ValueTable(self._free_on_holder)
         self.metrics = ControllerMetrics(self.registry.all, self._all_jobs, self._queue_length)
 
     # ------------------------------------------------------------------ workers
 
     def _worker_died(self, record: WorkerRecord) -> None:
         log.warning("%s is dead: %s", record.describe(), record.death)
+        self.values.drop_worker(record.worker_id)
         for job in self._jobs_of(record):
             if job.auto_resume and job.state in (JobState.READY, JobState.LOADING):
                 job.broken = f"{record.describe()} died: {record.death}"  # restored before its next step
@@ -305,6 +312,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                 chains[d, tp] = (edges, peers, groups)
         report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
         report["edges"], _, report["groups"] = chains[0, 0]
+        report["name"] = job.name
         if "restores" in job.report:  # an auto_resume job's history (controller/resume.py)
             report["restores"] = job.report["restores"]
         job.report = report
@@ -323,26 +331,29 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             report["resumed_from"] = self._restore(job, resume_from)
 
     @staticmethod
-    def _check_batch(spec: EdgeSpec, tensors, refs=()) -> None:
-        if refs and tensors:
-            raise InvalidInput(f"edge '{spec.name}': give tensors or remote values, not both")
-        got = [tensor_spec_from_pb(r.spec, f"edge '{spec.name}'") for r in refs] if refs else None
-        if got is not None:
-            if tuple(got) != spec.tensors:
-                shown = ", ".join(map(str, got))
-                raise InvalidInput(f"edge '{spec.name}': expected {spec}, the remote values are {shown}")
-            return
-        got = [spec_of_pb_tensor(t) for t in tensors]
+    def _check_batch(spec: EdgeSpec, tensors, refs=(), refs_at=()) -> None:
+        """The step's tensors and remote values (at positions ``refs_at``) fit the edge's spec."""
+        remote = [tensor_spec_from_pb(r.spec, f"edge '{spec.name}'") for r in refs]
+        sent = [spec_of_pb_tensor(t) for t in tensors]
+        got = interleave(sent, remote, refs_at)
         if tuple(got) != spec.tensors:
             shown = ", ".join(map(str, got)) or "nothing"
-            raise InvalidInput(f"edge '{spec.name}': expected {spec}, received {shown}")
-        for t, s in zip(tensors, spec.tensors):
+            which = "the remote values are" if refs and not tensors else "received"
+            raise InvalidInput(f"edge '{spec.name}': expected {spec}, {which} {shown}")
+        for t, s in zip(tensors, sent):
             if len(t.data) != s.nbytes:
                 raise InvalidInput(f"edge '{spec.name}': {s} needs {s.nbytes} bytes, message carries {len(t.data)}")
 
     @rpc_handler
     @_log.in_context(lambda request: (request.job_id, request.seq or None))
     def Step(self, request, context):
+        reads: list[str] = []  # the remote values the step reads, once acquired
+        try:
+            return self._step(request, reads)
+        finally:
+            self.values.release(reads)
+
+    def _step(self, request: pb.StepRequest, reads: list[str]) -> pb.StepReply:
         job = self._ready_job(request.job_id)
         with job.order:  # steps go out in the client's order, each as soon as its turn comes
             seq = request.seq or job.next_seq
@@ -351,6 +362,9 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self._ready_job(request.job_id)  # a worker may have died while this step waited
                 mode = self._check_step(job, request)
+                named = [r.value_id for r in (*request.input_refs, *request.target_refs)]
+                self.values.acquire(named)  # kept until the step ends: a free meanwhile waits for it
+                reads += named
                 if job.auto_resume:  # one step at a time, holding the order: a failure is repaired in place
                     return self._resilient_step(job, seq, request, mode)
                 pending = self._dispatch_step(job, seq, request, mode)
@@ -382,12 +396,12 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         if mode not in STEP_MODES:
             raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
         input_refs, target_refs = request.input_refs, request.target_refs  # their holders: at dispatch
-        self._check_batch(job.compiled.request.input, request.inputs, input_refs)
+        self._check_batch(job.compiled.request.input, request.inputs, input_refs, request.input_ref_at)
         if mode == "forward":
             if request.targets or target_refs:
                 raise InvalidInput("a forward step takes no target")
         else:
-            self._check_batch(job.compiled.request.target, request.targets, target_refs)
+            self._check_batch(job.compiled.request.target, request.targets, target_refs, request.target_ref_at)
         if request.keep_outputs and mode != "forward":
             raise InvalidInput("only a forward step keeps its output on the workers")
         if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
@@ -404,7 +418,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         input_refs = self._resolve_refs(request.input_refs)
         target_refs = self._resolve_refs(request.target_refs)
         replicas = topo.data_parallel
-        common = pb.RunStepRequest(job_id=job.job_id, step=seq - 1, mode=mode)
+        common = pb.RunStepRequest(job_id=job.job_id, step=seq, mode=mode)
         own = {}  # the requests of the workers that read the batch or hold the last stage
         for d in range(replicas):  # each replica reads its own rows of the batch
             inputs = [shard_rows(t, d, replicas) for t in request.inputs]
@@ -412,11 +426,13 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
                 own[topo.worker(d, r, tp)] = pb.RunStepRequest(
                     job_id=job.job_id,
-                    step=seq - 1,
+                    step=seq,
                     inputs=inputs if r in readers else [],
                     targets=targets if r == last else [],
                     input_refs=input_refs if r in readers else [],
                     target_refs=target_refs if r == last else [],
+                    input_ref_at=request.input_ref_at if r in readers else [],
+                    target_ref_at=request.target_ref_at if r == last else [],
                     keep_outputs=request.keep_outputs and r == last,
                     mode=mode,
                 )
@@ -449,8 +465,13 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             step=seq,
             memory_json="{" + memory + "}",
             outputs=join_rows(outputs),
-            kept_outputs=[self._holder_ref(job.workers[last], k) for k in replies[last].kept_outputs],
+            kept_outputs=[self._kept(job.workers[last], k) for k in replies[last].kept_outputs],
         )
+
+    def _kept(self, worker: WorkerRecord, ref: pb.RemoteRef) -> pb.RemoteRef:
+        """A forward step's output kept on ``worker``: a live value from now on."""
+        self.values.add(ref.value_id, worker.worker_id)
+        return self._holder_ref(worker, ref)
 
     PROBE_TIMEOUT_S = 2.0
 
@@ -505,17 +526,29 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             worker = min(workers, key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
         value_id = uuid.uuid4().hex
         worker.endpoint.call("PutValue", pb.PutValueRequest(tensor=request.tensor, value_id=value_id))
+        self.values.add(value_id, worker.worker_id)
         spec = tensor_spec_to_pb(spec_of_pb_tensor(request.tensor))
         return self._holder_ref(worker, pb.RemoteRef(value_id=value_id, spec=spec))
 
     @rpc_handler
     def GetValue(self, request, context):
+        self.values.check([request.value_id])
         return self._holder(request).endpoint.call("GetValue", request)
 
     @rpc_handler
     def FreeValue(self, request, context):
-        self._holder(request).endpoint.call("FreeValue", request)
+        """Free a value once the steps already submitted that read it have ended (idempotent)."""
+        self.values.free(request.value_id)
         return pb.Empty()
+
+    def _free_on_holder(self, value_id: str, worker_id: str) -> None:
+        worker = self.registry.get(worker_id)
+        if worker is None or not worker.alive:
+            return  # the value went with its worker
+        try:
+            worker.endpoint.call("FreeValue", pb.RemoteRef(value_id=value_id, worker_id=worker_id))
+        except AtollError as e:  # the worker may be dying; its values go with it
+            log.warning("freeing remote value %s on %s: %s", value_id, worker.describe(), e)
 
     def _await_turn(self, job: Job, seq: int) -> None:
         """Wait (holding ``job.order``) until step ``seq`` is the next to go out. A step number
@@ -720,6 +753,10 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
             self.leases.forget(job.session)
 
     @rpc_handler
+    def Ping(self, request, context):
+        return pb.Empty()
+
+    @rpc_handler
     def KeepAlive(self, request, context):
         if request.session:
             self.leases.renew(request.session)
@@ -749,6 +786,9 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         with self._lock:
             jobs = list(self._jobs.values())
             queue = self.admission.snapshot()
+        shown = lambda ended_at: request.all or not ended_at or now - ended_at <= self.status_grace_s  # noqa: E731
+        workers = [w for w in self.registry.all() if w.alive or shown(w.died_at)]
+        jobs = [j for j in jobs if j.state is not JobState.FAILED or shown(j.failed_at)]
         return pb.StatusReply(
             queue=[
                 pb.QueuedRequest(
@@ -774,7 +814,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                     island=w.island,
                     rss_bytes=w.rss_bytes,
                 )
-                for w in self.registry.all()
+                for w in workers
             ],
             jobs=[
                 pb.JobInfo(

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from atoll.controller.partition import balanced_partition
 from atoll.controller.program import fake_inputs, fake_mode
 from atoll.core.dataflow import BATCH, Dataflow, Edge, TiedParameter
-from atoll.core.graphs import deserialize, export
+from atoll.core.graphs import deserialize, export, graph_module
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
@@ -319,6 +319,6 @@ def _stage_modules(g: _ModelGraph, stage_index: list[int], num_stages: int) -> l
 
 
 def _export_stage(g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...]) -> SplitStage:
-    module = fx.GraphModule(g.gm, graph)  # copies the attributes the graph reads, under their names
+    module = graph_module(g.gm, graph)  # copies the attributes the graph reads, under their names
     args = tuple(torch.zeros(v.shape, dtype=v.dtype) for v in input_vals)
     return SplitStage(s, modules, export(module, args, f"stage {s} ({', '.join(modules)}) could not be exported"))

@@ -33,7 +33,7 @@ from atoll.controller.graph_ops import tensor_value as _val
 from atoll.controller.sequence_parallel import SequencePlan, plan_sequence
 from atoll.controller.split import module_path
 from atoll.core import collectives
-from atoll.core.graphs import deserialize, export
+from atoll.core.graphs import deserialize, export, graph_module
 from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
@@ -465,7 +465,7 @@ def _rewrite(
             env[n] = graph.node_copy(n, args)
             if sp is not None and n in sp.entry:  # a stage input: this rank's slice of the sequence
                 env[n] = call(atoll_ops.island_scatter.default, (env[n], 1, ranks))
-    module = fx.GraphModule(gm, graph)
+    module = graph_module(gm, graph)
     for name, (shard, _) in d.params.items():
         owner, _, leaf = name.rpartition(".")
         full = gm.get_parameter(name)

@@ -47,16 +47,24 @@ def choose_transport(src: WorkerRecord, dst: WorkerRecord, forced: str = "auto")
 def edge_transports(routes: Routes, workers: list[WorkerRecord], forced: str = "auto") -> list[dict]:
     """One entry per pair of stages that exchange tensors (a dataflow edge, or a tied parameter's
     gradients): the ranks at its ends and its transport ("local" when both ends are one rank)."""
-    pairs = [(e.src, e.dst, e.spec.name) for e in routes.flow.edges if e.src != BATCH]
+    pairs = [(e.src, e.dst, e.spec.name, e.skips) for e in routes.flow.edges if e.src != BATCH]
     for t in routes.flow.tied:
-        pairs += [(a, b, f"tied {t.name}") for a, b in combinations(t.stages, 2)]  # each holder with each
+        pairs += [(a, b, f"tied {t.name}", False) for a, b in combinations(t.stages, 2)]  # each holder with each
     out = []
-    for src, dst, name in pairs:
+    for src, dst, name, skip in pairs:
         a, b = routes.stage_ranks[src], routes.stage_ranks[dst]
         # two stages on one rank hand tensors over in memory (controller/lowering.py)
         transport = "local" if a == b else choose_transport(workers[a], workers[b], forced)
         out.append(
-            {"edge": name, "from_stage": src, "to_stage": dst, "from_rank": a, "to_rank": b, "transport": transport}
+            {
+                "edge": name,
+                "from_stage": src,
+                "to_stage": dst,
+                "from_rank": a,
+                "to_rank": b,
+                "transport": transport,
+                "skip": skip,
+            }
         )
     return out
 

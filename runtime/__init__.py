@@ -7,23 +7,72 @@ with atoll.LocalCluster(workers=4) as cluster, cluster.client() as client:
     loss = job.step(x, y)
 """
 
-from atoll.client import Client, Job, StepFuture, StepResult, connect
-from atoll.errors import (
-    AtollError,
-    DeadlineExceeded,
-    InvalidInput,
-    JobFailed,
-    NotEnoughWorkers,
-    NotFound,
-    NotPermitted,
-    Unauthenticated,
-    WorkerUnavailable,
-)
-from atoll.local import LocalCluster
-from atoll.plan import ClusterStatus, Plan
-from atoll.program import Program, Value
-from atoll.remote import RemoteValue
-from atoll.trace import Trace
+import importlib
+from typing import TYPE_CHECKING
+
+# Each public name and the module that defines it. They are imported on first use, so that
+# ``import atoll`` (and every ``atoll`` command that needs no torch, such as ``atoll status``)
+# does not pay for importing torch.
+_EXPORTS = {
+    "Client": "atoll.client",
+    "Job": "atoll.client",
+    "StepFuture": "atoll.client",
+    "StepResult": "atoll.client",
+    "connect": "atoll.client",
+    "LocalCluster": "atoll.local",
+    "ClusterStatus": "atoll.plan",
+    "Plan": "atoll.plan",
+    "Program": "atoll.program",
+    "Value": "atoll.program",
+    "RemoteValue": "atoll.remote",
+    "Trace": "atoll.trace",
+    **dict.fromkeys(
+        (
+            "AtollError",
+            "DeadlineExceeded",
+            "InvalidInput",
+            "JobFailed",
+            "NotEnoughWorkers",
+            "NotFound",
+            "NotPermitted",
+            "Unauthenticated",
+            "WorkerUnavailable",
+        ),
+        "atoll.errors",
+    ),
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'atoll' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:
+    from atoll.client import Client, Job, StepFuture, StepResult, connect
+    from atoll.errors import (
+        AtollError,
+        DeadlineExceeded,
+        InvalidInput,
+        JobFailed,
+        NotEnoughWorkers,
+        NotFound,
+        NotPermitted,
+        Unauthenticated,
+        WorkerUnavailable,
+    )
+    from atoll.local import LocalCluster
+    from atoll.plan import ClusterStatus, Plan
+    from atoll.program import Program, Value
+    from atoll.remote import RemoteValue
+    from atoll.trace import Trace
 
 __all__ = [
     "AtollError",

@@ -29,23 +29,31 @@ def default_token_file() -> Path:
     return Path(os.environ.get(TOKEN_FILE_ENV) or Path.home() / ".atoll" / "token")
 
 
-def create_token_file(path: Path) -> str:
-    """Write a fresh random token readable by the owner only."""
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def create_token_file(path: Path, token: str | None = None) -> str:
+    """Write ``token`` (default: a fresh random one) to ``path``, readable by the owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(32)
+    token = token or new_token()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
 
 
-def resolve_token(
-    token: str | None = None, token_file: str | os.PathLike | None = None, *, create: bool = False
-) -> str:
-    """The token given, else the one in ``token_file``, $ATOLL_TOKEN, or the default file.
+def token_file_to_create(token_file: str | os.PathLike | None) -> Path | None:
+    """For the controller: the token file it must create (with a fresh token, once its port is
+    bound), or None when a token is given by the file or $ATOLL_TOKEN already."""
+    if token_file is None and os.environ.get(TOKEN_ENV):
+        return None
+    path = Path(token_file) if token_file is not None else default_token_file()
+    return None if path.exists() else path
 
-    With ``create`` (the controller), a missing token file is created with a fresh token.
-    """
+
+def resolve_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str:
+    """The token given, else the one in ``token_file``, $ATOLL_TOKEN, or the default file."""
     if token:
         return token
     if token_file is None and os.environ.get(TOKEN_ENV):
@@ -58,8 +66,6 @@ def resolve_token(
         if not (text.isascii() and text.isprintable()):  # gRPC metadata would refuse it, less clearly
             raise InvalidInput(f"token file {path} does not hold a token (one line of printable ASCII)")
         return text
-    if create:
-        return create_token_file(path)
     raise InvalidInput(
         f"no cluster token: {path} does not exist (start the controller first, or pass --token-file / token=...)"
     )

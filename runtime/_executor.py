@@ -619,7 +619,7 @@ class PipelineExecutor:
             for stage in self.stages.values():
                 for name, p in stage.graph.named_parameters():
                     out[f"param/{name}"], names[id(p)] = p, name
-                for name, b in stage.graph.program.module.named_buffers():
+                for name, b in stage.graph.named_buffers():
                     out[f"buffer/{name}"] = b
             for p, state in self.optimizer.state.items() if self.optimizer is not None else ():
                 for key, value in state.items():
@@ -657,7 +657,7 @@ class PipelineExecutor:
                     state = {k.removeprefix(prefix): k for k in reader.where if k.startswith(prefix)}
                     if state:
                         self.optimizer.state[p] = {key: local(k, name, p) for key, k in state.items()}
-                for name, b in stage.graph.program.module.named_buffers():
+                for name, b in stage.graph.named_buffers():
                     b.copy_(local(f"buffer/{name}", name, b))
 
     def close(self) -> None:

@@ -137,6 +137,7 @@ def _controller(args) -> None:
             heartbeat_timeout_s=args.heartbeat_timeout,
             step_timeout_s=args.step_timeout,
             lease_timeout_s=args.lease_timeout,
+            status_grace_s=args.status_grace,
             allow_pickle=args.allow_pickle,
             metrics_port=args.metrics_port,
         )
@@ -166,24 +167,30 @@ def _worker(args) -> None:
         advertise_host=args.advertise_host,
         island=args.island,
         allow_pickle=args.allow_pickle,
+        register_timeout_s=args.register_timeout,
     )
     _serve_until_stopped(
         daemon, args.ready_file, args.exit_with_parent, f"atoll worker ({args.device}) listening on {daemon.address}"
     )
 
 
-def _connect(args, **options):
-    """A client of the command's controller, with its token file and TLS flags."""
-    from atoll.client import connect
+def _connect(args, kind=None, timeout_s: float = 120.0):
+    """A connection of ``kind`` (default: an ``atoll.Client``) to the command's controller, with
+    its token file and TLS flags."""
+    from atoll._connection import open_connection
+    from atoll._tls import Tls
 
-    tls = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
-    return connect(_controller_address(args), token_file=args.token_file, **tls, **options)
+    if kind is None:
+        from atoll.client import Client as kind
+    tls = Tls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+    return open_connection(kind, _controller_address(args), None, args.token_file, timeout_s, tls)
 
 
 def _status(args) -> None:
+    from atoll._connection import Connection  # status needs no torch: the command answers in a fraction of a second
     from atoll.errors import DeadlineExceeded, WorkerUnavailable
 
-    client = _connect(args, timeout_s=args.timeout)
+    client = _connect(args, Connection, timeout_s=args.timeout)
 
     def show(status) -> None:
         if args.json:
@@ -200,10 +207,10 @@ def _status(args) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     try:
-        show(client.status())  # the first answer must come: an error here is the command's
+        show(client.status(all=args.all))  # the first answer must come: an error here is the command's
         while args.watch and not stop.wait(args.watch):
             try:
-                show(client.status())
+                show(client.status(all=args.all))
             except (WorkerUnavailable, DeadlineExceeded) as e:  # the controller may be restarting
                 print(f"atoll status: {e}", file=sys.stderr, flush=True)
     finally:
@@ -316,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds of client silence before its jobs are closed",
     )
+    p.add_argument(
+        "--status-grace",
+        type=float,
+        metavar="S",
+        default=60.0,
+        help="seconds a dead worker or a failed job still shows in status (status --all shows them all)",
+    )
     _add_common(p, daemon=True)
     p.set_defaults(run=_controller)
 
@@ -327,12 +341,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
     p.add_argument("--island", default="", help="island label: workers with a fast interconnect (default: host name)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument(
+        "--register-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to keep trying while no controller answers (it may be starting too)",
+    )
     _add_common(p, daemon=True)
     p.set_defaults(run=_worker)
 
     p = command("status", "list the islands, workers, jobs and admission queue of a cluster")
     _controller_option(p, "controller address")
     p.add_argument("--json", action="store_true", help="print the status as JSON (islands, workers, jobs, queue)")
+    p.add_argument(
+        "--all", action="store_true", help="also workers dead and jobs failed longer ago than the controller's grace"
+    )
     p.add_argument(
         "--watch",
         nargs="?",

@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 import os
 import threading
-import uuid
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from atoll._auth import resolve_token
+from atoll._connection import Connection, open_connection
 from atoll._export import as_leaves, export_pipeline
-from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
-from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._tls import Tls
 from atoll.core.config import JobConfig
 from atoll.core.wire import spec_to_pb, tensor_from_pb, tensor_to_pb
-from atoll.errors import InvalidInput
-from atoll.plan import ClusterStatus, JobStatus, Plan, QueuedRequest, WorkerStatus
+from atoll.errors import InvalidInput, JobFailed
+from atoll.plan import Plan
 from atoll.program import Program
 from atoll.remote import RemoteValue
 from atoll.trace import Trace
@@ -46,11 +43,16 @@ class StepResult:
 class StepFuture:
     """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
 
-    def __init__(self, job: Job, future, mode: str = "train"):
+    def __init__(self, job: Job, future, mode: str = "train", reads: tuple[RemoteValue, ...] = ()):
         self._job = job
         self._future = future
         self._mode = mode
         self._result: StepResult | None = None
+        self._reads = reads
+        """The remote values the step reads: held while it is on its way, so that a handle the
+        caller did not keep (``job.step_async(other.forward(x, keep=True), y)``) is not freed first."""
+        for value in reads:
+            value._read_by(future)
 
     def done(self) -> bool:
         return self._future.done()
@@ -58,7 +60,11 @@ class StepFuture:
     def details(self, timeout_s: float | None = None) -> StepResult:
         """The whole result: loss, microbatch losses, step number, per-rank measured memory."""
         if self._result is None:
-            reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
+            try:
+                reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
+            except JobFailed:
+                self._job.state = "failed"
+                raise
             memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
             outputs = tuple(tensor_from_pb(t, "output") for t in reply.outputs)
             kept = tuple(RemoteValue(self._job._client, ref) for ref in reply.kept_outputs)
@@ -66,7 +72,7 @@ class StepFuture:
                 reply.loss, tuple(reply.microbatch_losses), reply.step, memory, self._mode, outputs, kept
             )
             last = self._job.last
-            if self._mode == "train" and (last is None or self._result.step > last.step):
+            if last is None or self._result.step > last.step:
                 self._job.last = self._result
         return self._result
 
@@ -82,12 +88,23 @@ class Job:
         self.id = job_id
         self.plan = plan
         self.last: StepResult | None = None
-        """The latest training step whose result has been read."""
+        """The latest step whose result has been read, of any mode (``last.mode``: "train",
+        "evaluate" or "forward"), with its loss, per-rank memory and data-plane bytes."""
         self._next_seq = next_step
         self.max_in_flight = self.MAX_IN_FLIGHT
         """Steps sent and not yet finished; one more ``step_async`` waits for the oldest."""
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
+        self.state = "ready"
+        """As this client last saw it: "ready", "failed" (a step raised JobFailed) or "closed"."""
+
+    @property
+    def name(self) -> str:
+        """The job's name (``pipeline(..., name=...)``, else its model's class)."""
+        return self.plan.report.get("name", "")
+
+    def __repr__(self) -> str:
+        return f"<atoll.Job {self.id} {self.name!r} {self.state}, {self.plan.report.get('ranks', '?')} ranks>"
 
     def step_async(self, input, target) -> StepFuture:
         """Send one training step and return at once. Steps run in the order they are sent;
@@ -109,23 +126,25 @@ class Job:
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _send(self, mode: str, input, target, keep: bool = False) -> StepFuture:
-        inputs, input_refs = _batch(input, "input")
-        targets, target_refs = ([], []) if target is None else _batch(target, "target")
+        inputs, input_values, input_at = _batch(input, "input")
+        targets, target_values, target_at = ([], (), []) if target is None else _batch(target, "target")
         self._wait_for_window()
         with self._lock:
             request = pb.StepRequest(
                 job_id=self.id,
                 inputs=inputs,
                 targets=targets,
-                input_refs=input_refs,
-                target_refs=target_refs,
+                input_refs=[v.ref for v in input_values],
+                target_refs=[v.ref for v in target_values],
+                input_ref_at=input_at,
+                target_ref_at=target_at,
                 keep_outputs=keep,
                 seq=self._next_seq,
                 mode=mode,
             )
             self._next_seq += 1
             future = self._client._endpoint.future("Step", request, self._client.step_timeout_s)
-            step = StepFuture(self, future, mode)
+            step = StepFuture(self, future, mode, (*input_values, *target_values))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
 
@@ -190,6 +209,7 @@ class Job:
     def close(self) -> None:
         """Free the job on every worker (idempotent)."""
         self._client._call("CloseJob", pb.JobRef(job_id=self.id))
+        self.state = "closed"
 
     def __enter__(self) -> Job:
         return self
@@ -198,44 +218,8 @@ class Job:
         self.close()
 
 
-class Client:
-    def __init__(
-        self,
-        address: str,
-        token: str,
-        *,
-        timeout_s: float = 120.0,
-        step_timeout_s: float = 900.0,
-        tls: Tls | None = None,
-    ):
-        self.address = address
-        self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s, tls=tls)
-        self.step_timeout_s = step_timeout_s
-        self.session = uuid.uuid4().hex
-        """This client's session: the jobs it submits live while it renews the session's lease."""
-        self._ended = threading.Event()
-        self._keepalive: threading.Thread | None = None
-
-    def _keep_alive(self) -> None:
-        """Renew the session's lease in the background from the first submission on (a daemon
-        thread: it ends with the process, and the controller then closes the jobs)."""
-        if self._keepalive is not None:
-            return
-
-        def loop():
-            interval = 1.0
-            while not self._ended.wait(interval):
-                try:
-                    reply = self._call("KeepAlive", pb.Session(session=self.session), timeout_s=10.0)
-                    interval = max(0.2, reply.lease_timeout_s / 4)
-                except Exception:  # noqa: BLE001 (the controller may be restarting: try again soon)
-                    interval = 1.0
-
-        self._keepalive = threading.Thread(target=loop, name="atoll-lease", daemon=True)
-        self._keepalive.start()
-
-    def _call(self, method: str, request, timeout_s: float | None = None):
-        return self._endpoint.call(method, request, timeout_s)
+class Client(Connection):
+    """A connection to the controller that submits programs (``atoll.connect`` makes one)."""
 
     def pipeline(
         self,
@@ -392,7 +376,12 @@ class Client:
                 raise InvalidInput(f"{degree} must be a positive integer, got {value!r}")
         replicas = config.data_parallel
         # exported at the shape of one microbatch of one replica
-        exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches * replicas)
+        try:
+            exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches * replicas)
+        except InvalidInput:
+            if len(program.stage_names) > 1:
+                program.check_stages(microbatches * replicas)  # names the stage that fails, and what it reads
+            raise
         request = pb.PipelineProgram(
             model_program=exported.model,
             loss_program=exported.loss,
@@ -411,62 +400,6 @@ class Client:
         reply = self._call("GetPlan", pb.JobRef(job_id=job_id))
         return Job(self, job_id, Plan(json.loads(reply.plan_json)), next_step=reply.next_step)
 
-    def status(self) -> ClusterStatus:
-        reply = self._call("Status", pb.Empty())
-        return ClusterStatus(
-            workers=tuple(
-                WorkerStatus(
-                    w.worker_id,
-                    w.address,
-                    w.device,
-                    w.host,
-                    w.alive,
-                    w.seconds_since_heartbeat,
-                    tuple(w.jobs),
-                    w.pid,
-                    w.island,
-                    rss_bytes=w.rss_bytes,
-                )
-                for w in reply.workers
-            ),
-            jobs=tuple(
-                JobStatus(
-                    j.job_id,
-                    j.name,
-                    j.state,
-                    tuple(j.workers),
-                    j.steps,
-                    j.schedule,
-                    j.stages,
-                    j.error,
-                    j.steps_per_s,
-                    j.exclusive,
-                    last_loss=j.last_loss if j.has_loss else None,
-                    predicted_peak_bytes=j.predicted_peak_bytes,
-                    measured_peak_bytes=j.measured_peak_bytes,
-                )
-                for j in reply.jobs
-            ),
-            queue=tuple(
-                QueuedRequest(q.name, q.ranks, q.device, tuple(q.islands), q.exclusive, q.waited_s) for q in reply.queue
-            ),
-        )
-
-    def close(self) -> None:
-        """Disconnect. Jobs this client submitted (not detached) are closed by the controller once
-        the session's lease runs out (the controller's --lease-timeout, 30 s by default)."""
-        self._ended.set()
-        self._endpoint.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-CONTROLLER_ENV = "ATOLL_CONTROLLER"
-
 
 def connect(
     address: str | None = None,
@@ -478,25 +411,26 @@ def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
 ) -> Client:
-    """A client of the controller at ``address`` (default: $ATOLL_CONTROLLER); the token defaults
-    to $ATOLL_TOKEN or the token file ($ATOLL_TOKEN_FILE, else ~/.atoll/token). ``tls_ca`` (a PEM
-    file) connects over TLS to a controller started with ``--tls-*``; ``tls_cert``/``tls_key``
-    present a client certificate."""
-    address = address or os.environ.get(CONTROLLER_ENV, "")
-    if not address:
-        raise InvalidInput(f"no controller address: pass connect(address='HOST:PORT') or set ${CONTROLLER_ENV}")
-    tls = Tls.from_files(tls_ca, tls_cert, tls_key)
-    return Client(address, resolve_token(token, token_file), timeout_s=timeout_s, tls=tls)
+    """A client of the controller at ``address`` (``HOST:PORT``; default: $ATOLL_CONTROLLER); the
+    token defaults to $ATOLL_TOKEN or the token file ($ATOLL_TOKEN_FILE, else ~/.atoll/token).
+    ``tls_ca`` (a PEM file) connects over TLS to a controller started with ``--tls-*``;
+    ``tls_cert``/``tls_key`` present a client certificate. Both are checked at once: a wrong token
+    raises ``Unauthenticated`` here, a controller that does not answer ``WorkerUnavailable``."""
+    return open_connection(Client, address, token, token_file, timeout_s, Tls.from_files(tls_ca, tls_cert, tls_key))
 
 
-def _batch(value, what: str) -> tuple[list[pb.TensorData], list[pb.RemoteRef]]:
-    """A step's input or target as tensors to send, or as references to remote values."""
+def _batch(value, what: str) -> tuple[list[pb.TensorData], tuple[RemoteValue, ...], list[int]]:
+    """A step's input or target: the tensors to send, the remote values to name, and the positions
+    of the remote values among them (empty when every one is remote; atoll.core.wire.interleave)."""
     leaves = list(value) if isinstance(value, (tuple, list)) else [value]
-    if leaves and all(isinstance(v, RemoteValue) for v in leaves):
-        for v in leaves:
-            if v.freed:
-                raise InvalidInput(f"{what}: {v} was freed")
-        return [], [v.ref for v in leaves]
-    if any(isinstance(v, RemoteValue) for v in leaves):
-        raise InvalidInput(f"{what}: give all tensors or all remote values")
-    return [tensor_to_pb(t) for t in as_leaves(value, what)], []
+    remote = tuple(v for v in leaves if isinstance(v, RemoteValue))
+    for v in remote:
+        if v.freed:
+            raise InvalidInput(f"{what}: {v} was freed")
+    if not remote:
+        return [tensor_to_pb(t) for t in as_leaves(value, what)], (), []
+    plain = [v for v in leaves if not isinstance(v, RemoteValue)]
+    if plain:
+        as_leaves(plain, what)  # tensors, or a clear error
+    at = [] if not plain else [i for i, v in enumerate(leaves) if isinstance(v, RemoteValue)]
+    return [tensor_to_pb(t) for t in plain], remote, at

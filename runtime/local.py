@@ -56,6 +56,7 @@ class LocalCluster:
         heartbeat_timeout_s: float = 5.0,
         heartbeat_interval_s: float = 1.0,
         lease_timeout_s: float = 30.0,
+        status_grace_s: float = 60.0,
         tls: tuple[str, str, str] | None = None,
         keep_logs: bool = False,
         log_level: str = "WARNING",
@@ -77,6 +78,7 @@ class LocalCluster:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.lease_timeout_s = lease_timeout_s
+        self.status_grace_s = status_grace_s
         self.tls = tls
         """(CA, certificate, key) PEM files: every daemon serves and dials gRPC over TLS, and
         ``client()`` trusts the CA."""
@@ -161,6 +163,8 @@ class LocalCluster:
                     str(self.heartbeat_interval_s),
                     "--lease-timeout",
                     str(self.lease_timeout_s),
+                    "--status-grace",
+                    str(self.status_grace_s),
                     *([] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]),
                 ],
             )

@@ -78,7 +78,7 @@ class Plan:
         if r.get("edges"):  # present once the plan is placed on workers
             hops = [
                 f"{e['from_stage']}->{e['to_stage']} rank {e['from_rank']}->{e['to_rank']} {e['transport']}"
-                + (" (skip)" if e["to_stage"] - e["from_stage"] > 1 else "")
+                + (" (skip)" if e.get("skip") else "")
                 + (f" ({e['edge']})" if e["edge"].startswith("tied") else "")
                 for e in r["edges"]
             ]
@@ -170,6 +170,48 @@ class ClusterStatus:
     workers: tuple[WorkerStatus, ...]
     jobs: tuple[JobStatus, ...]
     queue: tuple[QueuedRequest, ...] = ()
+
+    @classmethod
+    def from_pb(cls, reply) -> ClusterStatus:
+        """From the controller's StatusReply."""
+        return cls(
+            workers=tuple(
+                WorkerStatus(
+                    w.worker_id,
+                    w.address,
+                    w.device,
+                    w.host,
+                    w.alive,
+                    w.seconds_since_heartbeat,
+                    tuple(w.jobs),
+                    w.pid,
+                    w.island,
+                    rss_bytes=w.rss_bytes,
+                )
+                for w in reply.workers
+            ),
+            jobs=tuple(
+                JobStatus(
+                    j.job_id,
+                    j.name,
+                    j.state,
+                    tuple(j.workers),
+                    j.steps,
+                    j.schedule,
+                    j.stages,
+                    j.error,
+                    j.steps_per_s,
+                    j.exclusive,
+                    last_loss=j.last_loss if j.has_loss else None,
+                    predicted_peak_bytes=j.predicted_peak_bytes,
+                    measured_peak_bytes=j.measured_peak_bytes,
+                )
+                for j in reply.jobs
+            ),
+            queue=tuple(
+                QueuedRequest(q.name, q.ranks, q.device, tuple(q.islands), q.exclusive, q.waited_s) for q in reply.queue
+            ),
+        )
 
     def islands(self) -> dict[str, list[WorkerStatus]]:
         """The workers of each island, islands by name."""

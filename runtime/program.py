@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from atoll._export import split_names
+from atoll.core.graphs import torch_logs_at_debug
 from atoll.errors import InvalidInput
 
 
@@ -93,20 +94,61 @@ class Program:
         islands = (island,) * stages if isinstance(island, str) else tuple(island)
         if len(islands) != stages:
             raise InvalidInput(f"islands names {len(islands)} islands for a stage of {stages} workers")
-        for a in args:
-            if not isinstance(a, Value) or a.program is not self:
-                raise InvalidInput("a stage's arguments must be values of the same program")
         name = name or f"s{len(self._stages)}"
-        if not name.isidentifier() or name in (s.name for s in self._stages):
+        if not name.isidentifier() or name in (s.name for s in self._stages) or name in dict(self._inputs):
             raise InvalidInput(f"stage name {name!r} must be a new Python identifier")
+        for i, a in enumerate(args):
+            self._own(a, f"stage {name!r}: argument {i}")
         self._stages.append(_Stage(name, module, args, islands, tuple(split_names(module, split_points))))
         return Value(self, "stage", name)
 
     def loss(self, loss_fn, output: Value, target: Value) -> None:
         """The scalar to minimize: ``loss_fn(output, target)``; ``target`` is one of the inputs."""
+        self._own(output, "the loss's output")
+        self._own(target, "the loss's target")
         if output.source == "input" or target.source != "input":
             raise InvalidInput("the loss takes a stage's output and an input (the target)")
         self._loss = (loss_fn, output, target)
+
+    def _own(self, value, what: str) -> None:
+        if not isinstance(value, Value):
+            raise InvalidInput(f"{what} must be a value of this program, got {type(value).__name__}")
+        if value.program is not self:
+            raise InvalidInput(f"{what} is a value of another program")
+
+    @staticmethod
+    def _root(value: Value) -> Value:
+        """The input or stage output an item of a tuple comes from."""
+        while value.source == "item":
+            value = value.ref[0]
+        return value
+
+    def _check_graph(self) -> None:
+        """Every value a stage or the loss reads is an input or an earlier stage's output, no stage
+        reads the target, and every stage's output is read: one rule wherever the stage stands."""
+        order = {s.name: i for i, s in enumerate(self._stages)}
+        target = self._loss[2].ref
+        reads = {s.name: [self._root(a) for a in s.args] for s in self._stages}
+        for stage, values in reads.items():
+            for v in values:
+                if v.source == "input" and v.ref == target:
+                    raise InvalidInput(f"stage {stage!r} reads {target!r}, the loss's target: only the loss may")
+                if v.source == "input" and v.ref not in dict(self._inputs):
+                    raise InvalidInput(f"stage {stage!r} reads {v.ref!r}, which is no input of this program")
+                if v.source == "stage" and v.ref not in order:
+                    raise InvalidInput(f"stage {stage!r} reads {v.ref!r}, which is no stage of this program")
+        cycle = _cycle({stage: [v.ref for v in values if v.source == "stage"] for stage, values in reads.items()})
+        if cycle:
+            raise InvalidInput(f"the program has a cycle: {' -> '.join(cycle)} (a program is a DAG)")
+        for stage, values in reads.items():
+            later = [v.ref for v in values if v.source == "stage" and order[v.ref] >= order[stage]]
+            if later:
+                raise InvalidInput(f"stage {stage!r} reads {later[0]!r}, added after it: add stages in their order")
+        read = {v.ref for values in reads.values() for v in values if v.source == "stage"}
+        read.add(self._root(self._loss[1]).ref)
+        for s in self._stages:
+            if s.name not in read:
+                raise InvalidInput(f"stage {s.name!r}: nothing reads its output (pass it to a later stage or the loss)")
 
     # ------------------------------------------------------------------ what the client submits
 
@@ -115,6 +157,7 @@ class Program:
             raise InvalidInput("the program has no stage")
         if self._loss is None:
             raise InvalidInput("the program has no loss (call Program.loss)")
+        self._check_graph()
         return self._loss
 
     @property
@@ -154,13 +197,15 @@ class Program:
         return self._checked()[0]
 
     def _is_one_module(self) -> bool:
-        """A program of one stage that reads the inputs in order and whose output the loss
-        takes is that stage's module itself (its names unchanged: a pipeline's state_dict)."""
+        """A program of one stage that reads its one input and whose output the loss takes is that
+        stage's module itself (its names unchanged: a pipeline's state_dict). A module of several
+        arguments is called by the program's module, which takes the inputs as one tuple."""
         _, output, _ = self._checked()
         (stage,) = self._stages if len(self._stages) == 1 else (None,)
         return (
             stage is not None
             and output.source == "stage"
+            and len(stage.args) == 1
             and [a.ref if a.source == "input" else None for a in stage.args] == self.input_names
         )
 
@@ -182,6 +227,34 @@ class Program:
                 )
             names += ([f"stages.{s.name}"] if i else []) + [f"stages.{s.name}.{p}" for p in s.split_at]
         return names
+
+    def check_stages(self, microbatches: int) -> None:
+        """Run the stages one by one, in order, on fake tensors of one microbatch's shapes: the first
+        that fails raises InvalidInput naming it, its module, each value it reads with its spec,
+        and what its first layer expects. (Called when exporting a program of several stages
+        failed: torch's own error names neither the stage nor the edge.)"""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self._checked()
+        examples = dict(self._inputs)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad(), torch_logs_at_debug():
+            env = {}
+            for n in self.input_names:
+                t = examples[n]
+                env[n] = mode.from_tensor(t[: max(1, t.shape[0] // microbatches)]) if t.dim() else mode.from_tensor(t)
+            for s in self._stages:
+                args = [_resolve(a, env) for a in s.args]
+                state = {k: mode.from_tensor(v) for k, v in [*s.module.named_parameters(), *s.module.named_buffers()]}
+                try:
+                    env[s.name] = torch.func.functional_call(s.module, state, tuple(args))
+                except Exception as e:  # noqa: BLE001 (reported with the stage's name)
+                    reads = "; ".join(f"{_describe(a)}, {_spec(v)}" for a, v in zip(s.args, args))
+                    expects = _expects(s.module)
+                    raise InvalidInput(
+                        f"stage {s.name!r} ({type(s.module).__name__}) fails on what it reads: {reads}"
+                        + (f"; its first layer {expects}" if expects else "")
+                        + f". torch: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    ) from None
 
     def module(self) -> nn.Module:
         """The whole program as one module (what is exported, and a single-process reference)."""
@@ -207,6 +280,58 @@ class _ProgramModule(nn.Module):
         for name, args in self._plan:
             env[name] = self.stages[name](*(_resolve(a, env) for a in args))
         return _resolve(self._output, env)
+
+
+def _describe(value: Value) -> str:
+    if value.source == "item":
+        return f"{_describe(value.ref[0])}[{value.ref[1]}]"
+    return f"input {value.ref!r}" if value.source == "input" else f"the output of stage {value.ref!r}"
+
+
+def _spec(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(map(_spec, value)) + ")"
+    return type(value).__name__
+
+
+def _expects(module: nn.Module) -> str | None:
+    """What the first layer of ``module`` that declares its input takes, in words (None: none does)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            return f"{type(m).__name__}(in_features={m.in_features}) takes a floating tensor [..., {m.in_features}]"
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            return f"{type(m).__name__}({m.num_embeddings}, {m.embedding_dim}) takes integer indices"
+        if isinstance(m, nn.modules.conv._ConvNd):
+            return f"{type(m).__name__}(in_channels={m.in_channels}) takes [N, {m.in_channels}, ...]"
+        if isinstance(m, nn.LayerNorm):
+            shape = ", ".join(map(str, m.normalized_shape))
+            return f"LayerNorm({shape}) takes [..., {shape}]"
+    return None
+
+
+def _cycle(reads: dict[str, list[str]]) -> list[str]:
+    """A cycle of the graph ``stage -> stages it reads``, as [a, b, ..., a]; [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in reads.get(node, []):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt][::-1]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in reads:
+        if node not in state and (found := visit(node)):
+            return found
+    return []
 
 
 def _resolve(value: Value, env: dict):

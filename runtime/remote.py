@@ -26,6 +26,11 @@ class RemoteValue:
         self.ref = ref
         self.spec = tensor_spec_from_pb(ref.spec, "remote value")
         self._freed = False
+        self._readers: list = []  # the calls of steps sent with this value, while unfinished
+
+    def _read_by(self, call) -> None:
+        """A step sent with this value (its gRPC future): ``free`` waits for it to end."""
+        self._readers = [c for c in self._readers if not c.done()] + [call]
 
     @property
     def freed(self) -> bool:
@@ -44,9 +49,17 @@ class RemoteValue:
         return tensor_from_pb(self._client._call("GetValue", self.ref), "remote value")
 
     def free(self) -> None:
-        """Release the tensor on its worker (idempotent)."""
+        """Release the tensor on its worker (idempotent), after the steps this client already sent
+        with it have ended (the controller, too, frees a value only once the steps it has accepted
+        that read it have ended; a step sent after this is refused)."""
         if not self._freed:
             self._freed = True
+            for call in self._readers:
+                try:
+                    call.exception()  # waits for the call to end; its own error goes to its own caller
+                except Exception:  # noqa: BLE001 (cancelled, or the channel closed)
+                    pass
+            self._readers = []
             self._client._call("FreeValue", self.ref)
 
     def __del__(self):

@@ -38,8 +38,17 @@ from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize, forbid_pickle, on_device
 from atoll.core.shards import ParamShard
-from atoll.core.wire import spec_from_pb, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
-from atoll.errors import AtollError, InvalidInput, JobFailed, NotFound, NotPermitted
+from atoll.core.wire import interleave, spec_from_pb, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
+from atoll.errors import (
+    AtollError,
+    DeadlineExceeded,
+    InvalidInput,
+    JobFailed,
+    NotFound,
+    NotPermitted,
+    Unauthenticated,
+    WorkerUnavailable,
+)
 
 log = logging.getLogger("atoll.worker")
 
@@ -316,23 +325,21 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = self._step(request)
         yield pb.RunStepEvent(reply=reply)
 
-    @_log.in_context(lambda request: (request.job_id, request.step + 1))  # the client's step number
+    @_log.in_context(lambda request: (request.job_id, request.step))
     def _step(self, request: pb.RunStepRequest) -> pb.RunStepReply:
         """Run one step of a loaded job; call in the request's turn."""
         control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
         executor = self._job(request.job_id)
         self._use_device()
         try:
-            inputs = [tensor_from_pb(t, "input") for t in request.inputs] or None
-            targets = [tensor_from_pb(t, "target") for t in request.targets] or None
-            pulled = 0
-            if request.input_refs:
-                inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
-                pulled += sum(t.nbytes for t in inputs)
-            if request.target_refs:
-                targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
-                pulled += sum(t.nbytes for t in targets)
-            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step + 1)
+            pulled_inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
+            pulled_targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
+            pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
+            sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
+            sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
+            inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
+            targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled
@@ -462,10 +469,13 @@ class WorkerDaemon:
         advertise_host: str | None = None,
         island: str = "",
         allow_pickle: bool = False,
+        register_timeout_s: float = 30.0,
     ):
         check_device(device)
+        self.register_timeout_s = register_timeout_s
+        """How long ``start`` keeps trying while no controller answers."""
         forbid_pickle(allow_pickle)
-        self.controller_address = controller
+        self.controller_address = _address.checked(controller, "controller address")
         self.service = WorkerService(device=device, host=advertise_host or host, token=token, bind_host=host)
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
@@ -526,18 +536,41 @@ class WorkerDaemon:
                 self.health.set(False)
                 log.warning("heartbeat to %s failed: %s", self.controller_address, e)
 
-    def start(self, register_timeout_s: float = 30.0) -> None:
+    # How often a worker waiting for its controller says so (it retries every RETRY_S meanwhile).
+    RETRY_S, WARN_EVERY_S = 0.5, 5.0
+
+    def start(self) -> None:
+        """Register with the controller, retrying for ``register_timeout_s`` while none answers (it
+        may be starting too). An answer that will not change (a wrong token, a refused
+        registration) ends the wait at once."""
+        register_timeout_s = self.register_timeout_s
         self.server.start()
-        deadline = time.monotonic() + register_timeout_s
+        started = time.monotonic()
+        warned = -self.WARN_EVERY_S
         while True:
             try:
                 self._register()
                 break
-            except AtollError as e:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("controller %s not ready (%s); retrying", self.controller_address, e)
-                time.sleep(0.5)
+            except Unauthenticated as e:
+                raise Unauthenticated(
+                    f"the controller at {self.controller_address} refused this worker's token "
+                    f"(--token-file, $ATOLL_TOKEN): {e}"
+                ) from None
+            except (WorkerUnavailable, DeadlineExceeded) as e:
+                waited = time.monotonic() - started
+                if waited > register_timeout_s:
+                    raise WorkerUnavailable(
+                        f"no controller answered at {self.controller_address} in {register_timeout_s:g} s "
+                        f"(is it running, and is the address right?): {e}"
+                    ) from None
+                if waited - warned >= self.WARN_EVERY_S:
+                    warned = waited
+                    log.warning(
+                        "no controller answers at %s yet; retrying for up to %g s",
+                        self.controller_address,
+                        register_timeout_s,
+                    )
+                time.sleep(self.RETRY_S)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
     def _deregister(self, timeout_s: float = 2.0) -> None:

@@ -157,3 +157,24 @@ def hf_gpt2(transformers, batch: int = 8):
     g = torch.Generator().manual_seed(1)
     tokens = lambda: torch.randint(0, 64, (batch, 16), generator=g)  # noqa: E731
     return model, [(tokens(), tokens()) for _ in range(3)]
+
+
+def compile_locally(model: nn.Module, x, y, loss_fn, **config):
+    """``model`` exported as a client would and compiled in this process (no cluster): the
+    controller's CompiledPipeline, for ``JobConfig(**config)``."""
+    from atoll._export import export_pipeline
+    from atoll.controller.compiler import PipelineRequest, compile_pipeline
+    from atoll.core.config import JobConfig
+
+    job = JobConfig(**config)
+    ported = export_pipeline(model, x, y, loss_fn, job.microbatches * job.data_parallel)
+    return compile_pipeline(
+        PipelineRequest(
+            model=ported.model,
+            aliases=ported.aliases,
+            loss=ported.loss,
+            input=ported.input,
+            target=ported.target,
+            config=job,
+        )
+    )

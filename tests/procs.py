@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -65,3 +66,23 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -
 def health(channel: grpc.Channel) -> int:
     """grpc_health_probe's question (grpc.health.v1 Check, no token) over ``channel``."""
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+@contextlib.contextmanager
+def in_process_cluster(tmp_path: Path):
+    """A controller and one worker in this process (one profiler, one debugger sees both):
+    yields (controller, worker, token_file); stops both."""
+    from atoll._auth import resolve_token
+    from atoll.controller.daemon import ControllerConfig, ControllerDaemon
+    from atoll.worker import WorkerDaemon
+
+    token_file = str(tmp_path / "token")
+    controller = ControllerDaemon(ControllerConfig(token_file=token_file))
+    controller.start()
+    worker = WorkerDaemon(controller=controller.address, token=resolve_token(token_file=token_file))
+    try:
+        worker.start()
+        yield controller, worker, token_file
+    finally:
+        worker.stop()
+        controller.stop()

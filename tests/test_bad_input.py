@@ -67,8 +67,8 @@ def test_wrong_token_is_rejected_before_deserializing(cluster4, mlp_job):
         raw(garbage, metadata=call_metadata(cluster4.token), timeout=10)
     assert err.value.code() != grpc.StatusCode.UNAUTHENTICATED
     channel.close()
-    with atoll.connect(cluster4.address, token="wrong") as bad, pytest.raises(atoll.Unauthenticated):
-        bad.status()
+    with pytest.raises(atoll.Unauthenticated, match="token"):  # at once, not at the first call
+        atoll.connect(cluster4.address, token="wrong")
     still_serving(job, x, y)
 
 

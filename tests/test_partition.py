@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll._export import export_pipeline, split_names
-from atoll.controller.compiler import PipelineRequest, compile_pipeline
+from atoll._export import split_names
 from atoll.controller.partition import balanced_partition
-from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
+from tests.models import compile_locally
 
 
 def brute_force_best(costs, parts):
@@ -46,17 +45,8 @@ def test_partition_errors():
 
 
 def _compile(model, x, y, stages, split_points=None, **kw):
-    traced = export_pipeline(model, x, y, F.mse_loss, 2)
-    return compile_pipeline(
-        PipelineRequest(
-            model=traced.model,
-            aliases=traced.aliases,
-            loss=traced.loss,
-            input=traced.input,
-            target=traced.target,
-            config=JobConfig(stages=stages, microbatches=2, split_at=tuple(split_names(model, split_points)), **kw),
-        )
-    )
+    split_at = tuple(split_names(model, split_points))
+    return compile_locally(model, x, y, F.mse_loss, stages=stages, microbatches=2, split_at=split_at, **kw)
 
 
 def test_compiler_balances_measured_flops():

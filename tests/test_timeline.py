@@ -15,17 +15,12 @@ from torch import nn
 
 import atoll
 from atoll import cli
-from atoll._auth import resolve_token
-from atoll._export import export_pipeline
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller import trace
-from atoll.controller.compiler import PipelineRequest, compile_pipeline
-from atoll.controller.daemon import ControllerConfig, ControllerDaemon
 from atoll.core.actions import Action, Kind
-from atoll.core.config import JobConfig
-from atoll.worker import WorkerDaemon
 from examples.trace_pipeline import traced_job
-from tests.models import mlp
+from tests.models import compile_locally, mlp
+from tests.procs import in_process_cluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,12 +155,7 @@ def test_oversubscription_counts_the_cpus_a_hosts_workers_may_use():
 def test_actions_are_named_ranges_in_a_torch_profiler_trace(tmp_path):
     """A user profiling the process that runs a worker sees each action as ``atoll <action>``
     (here controller and worker run in this process, so one profiler sees the worker's threads)."""
-    token_file = str(tmp_path / "token")
-    controller = ControllerDaemon(ControllerConfig(token_file=token_file))
-    controller.start()
-    worker = WorkerDaemon(controller=controller.address, token=resolve_token(token_file=token_file))
-    try:
-        worker.start()
+    with in_process_cluster(tmp_path) as (controller, _, token_file):
         model, batches, loss = mlp()
         x, y = batches[0]
         with atoll.connect(controller.address, token_file=token_file) as client:
@@ -176,11 +166,8 @@ def test_actions_are_named_ranges_in_a_torch_profiler_trace(tmp_path):
             ) as profiler:
                 job.step(x, y)
             job.close()
-        names = {e.name for e in profiler.events() if e.name.startswith("atoll ")}
-        assert names == {"atoll 0F0", "atoll 0F1", "atoll 0B0", "atoll 0B1", "atoll 0STEP"}
-    finally:
-        worker.stop()
-        controller.stop()
+    names = {e.name for e in profiler.events() if e.name.startswith("atoll ")}
+    assert names == {"atoll 0F0", "atoll 0F1", "atoll 0B0", "atoll 0B1", "atoll 0STEP"}
 
 
 def test_atoll_trace_writes_the_json_and_a_png(gpipe_run, tmp_path, capsys):
@@ -226,16 +213,7 @@ def test_a_run_at_the_plans_costs_measures_the_plans_bubble():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-    ported = export_pipeline(model, x, y, F.mse_loss, 4)
-    request = PipelineRequest(
-        model=ported.model,
-        aliases=ported.aliases,
-        loss=ported.loss,
-        input=ported.input,
-        target=ported.target,
-        config=JobConfig(stages=3, microbatches=4, schedule="1f1b"),
-    )
-    compiled = compile_pipeline(request)
+    compiled = compile_locally(model, x, y, F.mse_loss, stages=3, microbatches=4, schedule="1f1b")
     _, summary = trace.build(compiled, _replayed(compiled, step=1))
     planned = trace.simulated_bubbles(compiled.timeline)
     for w in summary["workers"]:

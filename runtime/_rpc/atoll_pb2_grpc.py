@@ -81,7 +81,7 @@ class ControllerStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/atoll.v1.Controller/Status',
-                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.StatusRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
                 _registered_method=True)
         self.PutValue = channel.unary_unary(
@@ -118,6 +118,11 @@ class ControllerStub:
                 '/atoll.v1.Controller/GetTimeline',
                 request_serializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_atoll__pb2.TimelineReply.FromString,
+                _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/atoll.v1.Controller/Ping',
+                request_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -161,7 +166,7 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """a client renews the lease of its jobs (controller/leases.py)  // every worker writes its own tensors (runtime/core/checkpoint.py)
+        """a client renews the lease of its jobs (controller/leases.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +236,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ping(self, request, context):
+        """atoll.connect checks the address and the token at once
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,7 +293,7 @@ def add_ControllerServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.StatusRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.StatusReply.SerializeToString,
             ),
             'PutValue': grpc.unary_unary_rpc_method_handler(
@@ -318,6 +330,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetTimeline,
                     request_deserializer=atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_atoll__pb2.TimelineReply.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
+                    response_serializer=atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,7 +605,7 @@ class Controller:
             request,
             target,
             '/atoll.v1.Controller/Status',
-            atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.StatusRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.StatusReply.FromString,
             options,
             channel_credentials,
@@ -779,6 +796,33 @@ class Controller:
             '/atoll.v1.Controller/GetTimeline',
             atoll_dot___rpc_dot_atoll__pb2.TimelineRequest.SerializeToString,
             atoll_dot___rpc_dot_atoll__pb2.TimelineReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/Ping',
+            atoll_dot___rpc_dot_atoll__pb2.Empty.SerializeToString,
+            atoll_dot___rpc_dot_atoll__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

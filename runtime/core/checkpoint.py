@@ -59,8 +59,10 @@ def _crash_here(path: Path, tmp: Path) -> None:
 
 
 def _replace_file(path: Path, write) -> None:
-    """Write through a temporary name, flush it to disk, then rename it into place."""
+    """Write through a temporary name, flush it to disk, then rename it into place. The file is
+    the owner's alone (0600) from its creation: it holds a model's weights."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # writers keep an existing file's mode
     write(tmp)
     _crash_here(path, tmp)
     with open(tmp, "rb+") as f:
@@ -70,11 +72,12 @@ def _replace_file(path: Path, write) -> None:
 
 
 def new_version(root: str | os.PathLike, step: int) -> Path:
-    """A fresh, empty version directory under ``root`` (created, with ``root``, if missing)."""
+    """A fresh, empty version directory under ``root`` (created, with ``root``, if missing); both
+    are created the owner's alone (0700)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     version = root / f"v{step:06d}-{uuid.uuid4().hex[:8]}"
-    version.mkdir()
+    version.mkdir(mode=0o700)
     return version
 
 

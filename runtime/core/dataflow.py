@@ -43,6 +43,12 @@ class Edge:
         object.__setattr__(self, "differentiable", () if self.src == BATCH else self.spec.differentiable)
 
     @property
+    def skips(self) -> bool:
+        """Whether the edge bypasses at least one stage in topological order (stage order): a
+        residual from stage 0 to stage 2, or a batch input read first by stage 1 or later."""
+        return self.dst > (0 if self.src == BATCH else self.src + 1)
+
+    @property
     def grad_specs(self) -> list[TensorSpec]:
         return [self.spec.tensors[i] for i in self.differentiable]
 

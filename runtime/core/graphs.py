@@ -7,7 +7,9 @@ forward expects, as for the loss, which takes the model's output and the target.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import os
 import warnings
 from collections.abc import Sequence
@@ -17,6 +19,8 @@ import torch.utils._pytree as pytree
 
 from atoll.core import collectives  # noqa: F401 (registers the island ops that sharded stage graphs call)
 from atoll.errors import InvalidInput
+
+log = logging.getLogger("atoll.export")
 
 # torch.export.load falls back to full unpickling when a weights-only load fails; this makes
 # torch.load refuse instead. Daemons set it at start unless the operator opts in to pickle.
@@ -34,15 +38,64 @@ def serialize(ep: torch.export.ExportedProgram) -> bytes:
     return buf.getvalue()
 
 
+class _ToDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("%s: %s", record.name, record.getMessage(), exc_info=record.exc_info)
+
+
+@contextlib.contextmanager
+def torch_logs_at_debug():
+    """torch's own log lines (a failed export logs each fake-tensor traceback on stderr, ~20
+    lines before the one-line error atoll raises) go to atoll's log at DEBUG instead: shown with
+    ``--log-level DEBUG``, not printed otherwise."""
+    swapped = []
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch") and isinstance(logger, logging.Logger):
+            streams = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
+            if streams:
+                swapped.append((logger, streams))
+                for h in streams:
+                    logger.removeHandler(h)
+                logger.addHandler(_TO_DEBUG)
+    try:
+        yield
+    finally:
+        for logger, streams in swapped:
+            logger.removeHandler(_TO_DEBUG)
+            for h in streams:
+                logger.addHandler(h)
+
+
+_TO_DEBUG = _ToDebug()
+
+
 def export(module: torch.nn.Module, args: tuple, failure: str) -> bytes:
     """``module`` exported at ``args`` and serialized; a failure raises InvalidInput starting
     ``failure`` (the client exporting a model, the compiler a stage or a sharded stage)."""
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch_logs_at_debug():
             warnings.simplefilter("ignore")
             return serialize(torch.export.export(module, args))
     except Exception as e:
         raise InvalidInput(f"{failure}: {type(e).__name__}: {e}") from None
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """``fx.GraphModule(root, graph)``, whose buffers stay out of its ``state_dict`` where they were
+    out of ``root``'s (fx copies every buffer it reads as a persistent one)."""
+    module = torch.fx.GraphModule(root, graph)
+    kept = root.state_dict(keep_vars=True).keys()
+    for name, _ in root.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        if name in kept:
+            continue
+        try:
+            holder = module.get_submodule(owner)
+        except AttributeError:  # a buffer the graph does not read
+            continue
+        if attr in holder._buffers:
+            holder._non_persistent_buffers_set.add(attr)
+    return module
 
 
 def deserialize(data: bytes, what: str) -> torch.export.ExportedProgram:
@@ -118,6 +171,12 @@ class StageGraph:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.program.module.state_dict()
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers of the model's ``state_dict``: a non-persistent one (a rotary embedding's
+        ``inv_freq``) stays inside the program, out of checkpoints as out of ``state_dict``."""
+        kept = self.program.module.state_dict(keep_vars=True).keys()
+        return [(n, b) for n, b in self.program.module.named_buffers() if n in kept]
 
     def on(self, device, fake_mode=None) -> StageGraph:
         """This stage rebuilt on ``device`` (see ``on_device``); on CPU, itself."""

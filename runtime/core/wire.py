@@ -186,3 +186,20 @@ def join_slices(parts: list, dims: dict[int, int]) -> list[pb.TensorData]:
         else:
             out.append(ts[0])
     return out
+
+
+def interleave(plain: Sequence, remote: Sequence, remote_at: Sequence[int]) -> list:
+    """A batch's leaves in order, from the tensors sent with the step (``plain``) and the remote
+    values among them: ``remote`` fill the positions ``remote_at`` (every position when it is
+    empty), ``plain`` the others, in order. Used alike for specs (controller) and tensors (worker)."""
+    if not remote:
+        return list(plain)
+    if not remote_at:
+        if plain:
+            raise InvalidInput("a batch of tensors and remote values must say where the remote values go")
+        return list(remote)
+    count = len(plain) + len(remote)
+    if len(remote_at) != len(remote) or list(remote_at) != sorted(set(remote_at)) or remote_at[-1] >= count:
+        raise InvalidInput(f"malformed positions of remote values: {list(remote_at)} in a batch of {count}")
+    at, plain_left, remote_left = set(remote_at), iter(plain), iter(remote)
+    return [next(remote_left) if i in at else next(plain_left) for i in range(count)]
