@@ -135,12 +135,16 @@ def test_a_workers_messages_number_steps_as_the_client_does(tmp_path):
     """RunStepRequest.step is the client's number (1 = the first step), in the worker's errors and
     logs as in traces, status and StepResult.step."""
     with in_process_cluster(tmp_path) as (controller, worker, token_file):
+        sent, run = [], worker.service._step
+        worker.service._step = lambda request: sent.append(request.step) or run(request)  # what the controller sent
         with atoll.connect(controller.address, token_file=token_file) as client:
             x, y = torch.randn(4, 4), torch.randn(4, 2)
             job = client.pipeline(nn.Linear(4, 2), example_input=x, example_target=y, loss_fn=F.mse_loss,
                                   stages=1, microbatches=1)  # fmt: skip
             job.step(x, y)
-            assert job.last.step == 1 and job.timeline().summary["steps"] == [1]
+            job.step(x, y)
+            assert sent == [1, 2] and job.last.step == 2 and job.timeline().summary["steps"] == [2]  # the latest step
+            worker.service._step = run
             broken = pb.RunStepRequest(job_id=job.id, step=7, inputs=[pb.TensorData(dtype="float32", shape=[4, 4])])
             with pytest.raises(atoll.JobFailed, match=rf"job {job.id} step 7: "):
                 worker.service._step(broken)
