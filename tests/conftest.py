@@ -7,6 +7,35 @@ import pytest
 import atoll
 from tests.procs import alive, descendants
 
+# Fixtures that start daemons: a test that asks for one is a `cluster` test without saying so.
+CLUSTER_FIXTURES = {"cluster4", "client4", "gpipe_run", "islands_cluster", "gpu_client"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.cluster)
+
+
+def _children_cpu_s() -> float:
+    times = os.times()
+    return times.children_user + times.children_system
+
+
+@pytest.fixture(autouse=True)
+def only_cluster_tests_start_processes(request):
+    """Keeps the inner loop (`pytest -m "not cluster"`) honest: a test without the `cluster`
+    marker that starts a process (one that ran and was reaped, or one still running) fails."""
+    if request.node.get_closest_marker("cluster"):
+        yield
+        return
+    cpu, running = _children_cpu_s(), set(descendants(os.getpid()))
+    yield
+    started = set(descendants(os.getpid())) - running
+    assert _children_cpu_s() == cpu and not started, (
+        f"{request.node.nodeid} starts processes: mark it `@pytest.mark.cluster` (or its module's pytestmark)"
+    )
+
 
 @pytest.fixture(scope="session", autouse=True)
 def no_stray_processes():

@@ -9,6 +9,8 @@ import atoll
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ADAMW = {"lr": 1e-3}
 
 

@@ -11,6 +11,8 @@ import atoll
 from tests import models
 from tests.reference import RTOL, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 RESTORE_DEADLINE_S = 10.0
 

@@ -18,6 +18,8 @@ from atoll.core.graphs import FORCE_WEIGHTS_ONLY_ENV, deserialize
 from atoll.core.wire import spec_to_pb
 from tests import models
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def mlp_job(cluster4):

@@ -1,7 +1,11 @@
 """Every benchmark runs at its smallest size, so a change that breaks one fails here (the figures
 themselves are not asserted: performance lives in the benchmarks' JSON)."""
 
+import pytest
+
 from bench import cli as cli_bench
+
+pytestmark = pytest.mark.cluster  # runs commands in processes of their own
 
 
 def test_cli_benchmark_runs(capsys):

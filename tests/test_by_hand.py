@@ -12,6 +12,8 @@ import pytest
 from atoll.local import stop_processes as stop
 from tests.procs import wait_for_file
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "atoll.cli"]
 

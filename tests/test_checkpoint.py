@@ -12,6 +12,8 @@ from atoll.core import checkpoint
 from tests import models
 from tests.reference import RTOL, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 

@@ -10,6 +10,8 @@ from tests import models
 from tests.reference import assert_matches_reference, train_reference
 from tests.test_pipeline_parity import OPTIMIZERS, run_pipeline
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 def _dataflow(job) -> list[tuple]:
     return [(e["from_stage"], e["to_stage"], e["kind"], e["skip"]) for e in job.plan.report["dataflow"]]

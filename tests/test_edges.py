@@ -1,11 +1,14 @@
 """Edges that carry a tuple of tensors (with an integer tensor that has no gradient), and bfloat16."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tests.reference import assert_matches_reference, train_reference
 from tests.test_pipeline_parity import run_pipeline
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 
 class Fork(nn.Module):

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from atoll import cli
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,6 +7,8 @@ import pytest
 import atoll
 from tests import models
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.mark.parametrize(
     "dispatch, victim_rank",

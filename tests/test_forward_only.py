@@ -8,6 +8,8 @@ import torch
 from tests import models
 from tests.reference import RTOL, relative_error, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 SGD = {"lr": 0.05, "momentum": 0.9}
 
 

@@ -18,6 +18,8 @@ from atoll._rpc import atoll_pb2 as pb
 from tests import models
 from tests.procs import health, rss
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 

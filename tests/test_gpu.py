@@ -18,7 +18,11 @@ from examples.gpt import lm_loss
 from tests import models
 from tests.reference import assert_matches_reference, relative_error, train_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 RANKS, MICROBATCHES = 4, 8
 GPU_RTOL = 1e-4

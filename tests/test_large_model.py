@@ -15,6 +15,8 @@ import atoll
 from atoll._chunked import available_bytes
 from atoll._grpc import MAX_MESSAGE_BYTES
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 WIDTH, LAYERS = 8704, 4  # 4 x (8704^2 + 8704) = 303.1M parameters
 NEEDED_BYTES = 16 << 30  # the model in this process, the controller and the worker, each with transient copies
 LR = 0.1

@@ -6,8 +6,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import atoll
 from tests import models
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = """

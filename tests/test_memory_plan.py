@@ -5,6 +5,8 @@ import pytest
 from examples.gpt import lm_loss
 from tests import models
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 RANKS, MICROBATCHES = 4, 8
 
 

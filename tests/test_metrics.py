@@ -9,6 +9,8 @@ import pytest
 import atoll
 from tests import models
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 @pytest.fixture(scope="module")
 def cluster():

@@ -16,6 +16,8 @@ import atoll
 from atoll.local import stop_processes
 from tests.procs import wait_for_file
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = f"at{os.getpid() % 100000}"  # unique per test run: namespaces are system-wide
 BRIDGE, SUBNET = f"{PREFIX}br", "10.77.{}.{}"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 import atoll
@@ -16,6 +17,8 @@ from atoll.local import stop_processes
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 from tests.tenant import SGD, shares_when_the_first_finished, step_starts, train_queued
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 STEPS = 50
 STEPS_WEIGHTED = 60

@@ -20,6 +20,8 @@ import atoll
 from atoll._rpc import atoll_pb2 as pb
 from tests.procs import in_process_cluster
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 

@@ -24,6 +24,8 @@ from atoll.local import stop_processes
 from tests import models
 from tests.procs import health, wait_for_file
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "atoll.cli"]
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -38,6 +38,7 @@ def test_well_formed_addresses_pass():
         assert _address.checked(address, "address") == address
 
 
+@pytest.mark.cluster
 def test_the_cli_refuses_a_controller_without_a_port_in_one_line():
     run = subprocess.run(
         [sys.executable, "-m", "atoll.cli", "status", "--controller", "127.0.0.1", "--token-file", "/nonexistent"],
@@ -115,6 +116,7 @@ def test_status_leaves_out_the_long_dead_and_the_long_failed_unless_asked_for_al
         service.stop()
 
 
+@pytest.mark.cluster
 def test_atoll_and_its_status_command_do_not_import_torch():
     """`import atoll` resolves its public names on first use, and `atoll status` talks to the
     controller without torch (bench/cli.py measures both commands' time)."""

@@ -7,7 +7,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import atoll
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_IMPORT = re.compile(r"^\s*(import (runtime|controller)\b|from (runtime|controller)(\.| import))", re.M)

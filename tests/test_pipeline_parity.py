@@ -5,6 +5,8 @@ import pytest
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 OPTIMIZERS = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-3, "weight_decay": 0.01}}
 
 

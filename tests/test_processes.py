@@ -8,6 +8,8 @@ import pytest
 import atoll
 from tests.procs import alive, descendants
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 def test_local_cluster_stops_everything_it_started():
     with atoll.LocalCluster(workers=2) as cluster:

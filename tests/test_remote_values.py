@@ -9,6 +9,8 @@ from torch import nn
 import atoll
 from tests.reference import assert_matches_reference, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 SGD = {"lr": 0.1}
 
 

@@ -14,6 +14,8 @@ from atoll.controller.rendezvous import MAX_VALUE_BYTES, Rendezvous
 from atoll.errors import InvalidInput, NotPermitted
 from tests import models
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 def _listening_ports(pid: int) -> set[int]:
     """TCP ports the process listens on, from /proc (its sockets' inodes in the listening table)."""

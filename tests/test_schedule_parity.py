@@ -7,6 +7,8 @@ from tests import models
 from tests.reference import assert_matches_reference, train_reference
 from tests.test_pipeline_parity import run_pipeline
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 

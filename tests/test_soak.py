@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import atoll
 from tests import models
 from tests.procs import rss
 from tests.reference import RTOL, train_reference
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS, STEPS, WARM = 8, 100, 10

@@ -12,6 +12,8 @@ from examples.gpt import GPTConfig, build_gpt
 from tests import models
 from tests.reference import assert_matches_but_key_bias_noise, assert_matches_reference, train_reference
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 OPTIMIZERS = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-3, "weight_decay": 0.01}}
 
 

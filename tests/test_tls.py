@@ -9,7 +9,10 @@ import pytest
 import atoll
 from tests import models
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a CA")
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a CA"),
+]
 
 
 def _ca(directory, name):

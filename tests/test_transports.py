@@ -8,6 +8,8 @@ from atoll.controller.transports import choose_transport, edge_transports, peer_
 from atoll.errors import InvalidInput
 from tests.models import placed_chain, submit
 
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
 
 def worker(device: str, host: str = "a", gpu: str = "") -> WorkerRecord:
     return WorkerRecord(worker_id="w", address="x", device=device, host=host, pid=1, gpu_uuid=gpu, endpoint=None)
