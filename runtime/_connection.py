@@ -13,7 +13,7 @@ from atoll._grpc import Endpoint
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll._tls import Tls
-from atoll.errors import InvalidInput, WorkerUnavailable
+from atoll.errors import InvalidInput
 from atoll.plan import ClusterStatus
 
 CONTROLLER_ENV = "ATOLL_CONTROLLER"
@@ -91,11 +91,9 @@ def open_connection(kind, address, token, token_file, timeout_s: float, tls: Tls
     address = _address.checked(address, "controller address")
     connection = kind(address, resolve_token(token, token_file), timeout_s=timeout_s, tls=tls)
     try:
-        connection._call("Ping", pb.Empty(), timeout_s=min(timeout_s, CONNECT_CHECK_S))
-    except WorkerUnavailable as e:
-        connection.close()
-        # The RPC's own name ("Ping") means nothing to whoever typed the address.
-        raise WorkerUnavailable(f"no controller answered at {address}: {str(e).split(': ', 1)[-1]}") from None
+        # named by the address, not the RPC: "Ping" means nothing to whoever typed the address
+        what = f"no controller answered at {address}"
+        connection._endpoint.call("Ping", pb.Empty(), timeout_s=min(timeout_s, CONNECT_CHECK_S), what=what)
     except BaseException:
         connection.close()
         raise

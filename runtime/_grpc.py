@@ -164,7 +164,8 @@ class Endpoint:
         self._metadata = call_metadata(token, controller_key)
         self.default_timeout_s = default_timeout_s
 
-    def call(self, method: str, request, timeout_s: float | None = None):
+    def call(self, method: str, request, timeout_s: float | None = None, what: str | None = None):
+        """``what`` names the call in its error (default: "METHOD on ADDRESS")."""
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         try:
             if method in chunked.CHUNKED_METHODS:  # weights ride in these: in pieces, of any size
@@ -172,7 +173,7 @@ class Endpoint:
                 return _chunked_reply(self._service, method, *chunked.assemble(replies))
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise as_atoll_error(e, f"{method} on {self.address}") from None
+            raise as_atoll_error(e, what or f"{method} on {self.address}") from None
 
     def stream(self, method: str, request, timeout_s: float | None = None):
         """A server-streaming call: an iterator of replies; errors come as atoll errors."""
