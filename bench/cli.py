@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
             "atoll_help_s": _seconds([*atoll_cli, "--help"], env, args.repeat),
             "atoll_status_help_s": _seconds([*atoll_cli, "status", "--help"], env, args.repeat),
             "atoll_status_s": _seconds([*atoll_cli, "status"], env, args.repeat),
-            "import_atoll_client_s": _seconds([sys.executable, "-c", "import atoll.client"], env, args.repeat),
+            "import_atoll_client_s": _seconds([sys.executable, "-c", "import atoll.client.client"], env, args.repeat),
         }
     result = {"benchmark": "cli", "repeat": args.repeat, **{k: round(v, 3) for k, v in figures.items()}}
     print(json.dumps(result))

@@ -45,7 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import atoll  # noqa: E402
-from atoll.local import stop_processes  # noqa: E402
+from atoll.client.local import stop_processes  # noqa: E402
 
 WIDTH = 8
 

@@ -6,7 +6,7 @@ the controller's dispatch cost can be measured at cluster sizes this machine can
 
 Every call is answered at once: LoadPlan and Unload do nothing, RunStep replies with an empty
 step, and RunStepGroup relays to the other members exactly as a real worker does
-(runtime/_relay.py), which is the part whose cost matters. Heartbeats go at the interval the
+(runtime/net/relay.py), which is the part whose cost matters. Heartbeats go at the interval the
 controller asks for, one call per simulated worker, as real workers send them.
 """
 
@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from atoll._auth import resolve_token  # noqa: E402
-from atoll._grpc import Endpoint, make_server, rpc_handler  # noqa: E402
-from atoll._relay import Relay  # noqa: E402
 from atoll._rpc import atoll_pb2 as pb  # noqa: E402
 from atoll._rpc import atoll_pb2_grpc as pb_grpc  # noqa: E402
-from atoll.cli import _serve_until_stopped  # noqa: E402
+from atoll.cli.commands import _serve_until_stopped  # noqa: E402
 from atoll.errors import AtollError  # noqa: E402
+from atoll.net.auth import resolve_token  # noqa: E402
+from atoll.net.relay import Relay  # noqa: E402
+from atoll.net.rpc import Endpoint, make_server, rpc_handler  # noqa: E402
 
 log = logging.getLogger("atoll.sim")
 

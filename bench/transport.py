@@ -41,8 +41,8 @@ def raw_copy_gbps(nbytes: int, iters: int) -> float:
 
 
 def _make_transport(kind: str, store, rank: int, buffers_region: torch.Tensor, buffers: list[torch.Tensor]):
-    from atoll._cuda_ipc import CudaIpcTransport
-    from atoll._transport import GlooTransport
+    from atoll.worker.transports.cuda_ipc import CudaIpcTransport
+    from atoll.worker.transports.gloo import GlooTransport
 
     if kind == "cuda_ipc":
         return CudaIpcTransport(

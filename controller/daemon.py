@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from atoll import _address
-from atoll._auth import create_token_file, new_token, resolve_token, token_file_to_create
-from atoll._grpc import Health, make_server
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.service import ControllerService
 from atoll.core.graphs import forbid_pickle
+from atoll.net import address as _address
+from atoll.net.auth import create_token_file, new_token, resolve_token, token_file_to_create
+from atoll.net.rpc import Health, make_server
 
 log = logging.getLogger("atoll.controller")
 
@@ -37,7 +37,7 @@ class ControllerConfig:
     """Let torch.load unpickle arbitrary objects inside submitted programs (unsafe)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP at ``host:metrics_port/metrics`` (0 picks a free port;
-    None: no metrics server). controller/metrics.py lists them."""
+    None: no metrics server). controller/cluster/metrics.py lists them."""
 
 
 class ControllerDaemon:

@@ -9,9 +9,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from atoll.controller.compiler import CompiledPipeline
-from atoll.controller.dispatch import RELAY_ABOVE_WORKERS
-from atoll.controller.registry import WorkerRecord
+from atoll.controller.cluster.dispatch import RELAY_ABOVE_WORKERS
+from atoll.controller.cluster.registry import WorkerRecord
+from atoll.controller.compiler.pipeline import CompiledPipeline
 
 
 class JobState(str, enum.Enum):
@@ -39,13 +39,13 @@ class Job:
     order: threading.Condition = field(default_factory=threading.Condition)
     loaded_at: float = field(default_factory=time.monotonic)
     session: str = ""
-    """The client session whose lease keeps the job ("" for a detached job; controller/leases.py)."""
+    """The client session whose lease keeps the job ("" for a detached job; controller/cluster/leases.py)."""
     islands: tuple[str, ...] = ()
     """Per worker index, the island it must be on ("" or absent: any); placement asks again on resume."""
     journal: list[tuple[int, object, float]] = field(default_factory=list)
     """An auto_resume job's training steps since its last checkpoint: (number, StepRequest, loss)."""
     namespace: str = ""
-    """The job's namespace in the controller's rendezvous, one per load (controller/rendezvous.py)."""
+    """The job's namespace in the controller's rendezvous, one per load (controller/cluster/rendezvous.py)."""
     broken: str = ""
     """Why an auto_resume job must be restored before its next step ("" while it is whole)."""
     last_loss: float | None = None
@@ -119,7 +119,7 @@ class GangScheduler:
     Each ordered call (LoadPlan, RunStep, GetState) gets the worker's next position; the positions
     of one dispatch are taken together under one lock, so two jobs sharing workers are ordered the
     same way on all of them (interleaving them differently on two workers would deadlock their
-    data-plane exchanges). Workers run calls strictly by position (atoll._turnstile), so the
+    data-plane exchanges). Workers run calls strictly by position (atoll.worker.turnstile), so the
     controller can send step k+1 while step k still runs: dispatch is asynchronous.
 
     Each call also carries a floor: the worker's lowest position whose call has not yet ended at

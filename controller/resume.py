@@ -26,7 +26,7 @@ import logging
 import time
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.controller.dispatch import DispatchError
+from atoll.controller.cluster.dispatch import DispatchError
 from atoll.controller.jobs import Job, JobState
 from atoll.errors import InvalidInput, JobFailed, NotEnoughWorkers
 

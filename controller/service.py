@@ -12,25 +12,21 @@ import uuid
 
 import grpc
 
-from atoll import _chunked as chunked
-from atoll import _log
-from atoll._auth import from_controller
-from atoll._grpc import rpc_handler, rpc_stream_handler
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.controller import trace
-from atoll.controller.admission import AdmissionQueue, Ticket
-from atoll.controller.compiler import CompiledPipeline, PipelineRequest, compile_pipeline
-from atoll.controller.dispatch import Call, Dispatcher, DispatchError
-from atoll.controller.fairness import FairGate
+from atoll.controller.cluster.admission import AdmissionQueue, Ticket
+from atoll.controller.cluster.dispatch import Call, Dispatcher, DispatchError
+from atoll.controller.cluster.fairness import FairGate
+from atoll.controller.cluster.leases import Leases
+from atoll.controller.cluster.metrics import ControllerMetrics
+from atoll.controller.cluster.placement import place
+from atoll.controller.cluster.registry import Registry, WorkerRecord
+from atoll.controller.cluster.rendezvous import Rendezvous
+from atoll.controller.cluster.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
+from atoll.controller.compiler import trace
+from atoll.controller.compiler.pipeline import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.jobs import GangScheduler, Job, JobState
-from atoll.controller.leases import Leases
-from atoll.controller.metrics import ControllerMetrics
-from atoll.controller.placement import place
-from atoll.controller.registry import Registry, WorkerRecord
-from atoll.controller.rendezvous import Rendezvous
 from atoll.controller.resume import AutoResume
-from atoll.controller.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
 from atoll.controller.values import ValueTable
 from atoll.core import checkpoint
 from atoll.core.actions import STEP_MODES
@@ -51,6 +47,10 @@ from atoll.core.wire import (
     tensor_to_pb,
 )
 from atoll.errors import AtollError, InvalidInput, JobFailed, NotEnoughWorkers, NotFound, NotPermitted
+from atoll.net import chunked
+from atoll.net import log as _log
+from atoll.net.auth import from_controller
+from atoll.net.rpc import rpc_handler, rpc_stream_handler
 
 log = logging.getLogger("atoll.controller")
 
@@ -85,7 +85,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
         self.leases = Leases(lease_timeout_s)
         self._stopped = threading.Event()
         self.controller_key = secrets.token_hex(16)
-        """Given to workers as they register; every call to them carries it (runtime/worker.py)."""
+        """Given to workers as they register; every call to them carries it (runtime/worker/daemon.py)."""
         self.registry = Registry(
             token=token,
             heartbeat_interval_s=heartbeat_interval_s,
@@ -437,7 +437,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
                     mode=mode,
                 )
         calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
-        # fair between jobs sharing workers (controller/fairness.py), then in gang order
+        # fair between jobs sharing workers (controller/cluster/fairness.py), then in gang order
         self.gate.enter(job.job_id, job.worker_ids, job.weight)
         try:
             return self._dispatch_ordered(calls, self.step_timeout_s, job.dispatch_mode, common)
@@ -683,7 +683,7 @@ class ControllerService(AutoResume, pb_grpc.ControllerServicer):
 
     @rpc_handler
     def GetTimeline(self, request, context):
-        """The job's measured timelines of the asked steps beside the predicted one (controller/trace.py)."""
+        """The job's measured timelines of the asked steps beside the predicted one (controller/compiler/trace.py)."""
         job = self._ready_job(request.job_id)
         if request.last < 0 or len(request.steps) > KEPT_STEPS:
             raise InvalidInput(f"ask for at most {KEPT_STEPS} steps (workers keep the last {KEPT_STEPS})")

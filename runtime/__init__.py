@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 # ``import atoll`` (and every ``atoll`` command that needs no torch, such as ``atoll status``)
 # does not pay for importing torch.
 _EXPORTS = {
-    "Client": "atoll.client",
-    "Job": "atoll.client",
-    "StepFuture": "atoll.client",
-    "StepResult": "atoll.client",
-    "connect": "atoll.client",
-    "LocalCluster": "atoll.local",
-    "ClusterStatus": "atoll.plan",
-    "Plan": "atoll.plan",
-    "Program": "atoll.program",
-    "Value": "atoll.program",
-    "RemoteValue": "atoll.remote",
-    "Trace": "atoll.trace",
+    "Client": "atoll.client.client",
+    "Job": "atoll.client.client",
+    "StepFuture": "atoll.client.client",
+    "StepResult": "atoll.client.client",
+    "connect": "atoll.client.client",
+    "LocalCluster": "atoll.client.local",
+    "ClusterStatus": "atoll.client.plan",
+    "Plan": "atoll.client.plan",
+    "Program": "atoll.client.program",
+    "Value": "atoll.client.program",
+    "RemoteValue": "atoll.client.remote",
+    "Trace": "atoll.client.trace",
     **dict.fromkeys(
         (
             "AtollError",
@@ -56,7 +56,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from atoll.client import Client, Job, StepFuture, StepResult, connect
+    from atoll.client.client import Client, Job, StepFuture, StepResult, connect
+    from atoll.client.local import LocalCluster
+    from atoll.client.plan import ClusterStatus, Plan
+    from atoll.client.program import Program, Value
+    from atoll.client.remote import RemoteValue
+    from atoll.client.trace import Trace
     from atoll.errors import (
         AtollError,
         DeadlineExceeded,
@@ -68,11 +73,6 @@ if TYPE_CHECKING:
         Unauthenticated,
         WorkerUnavailable,
     )
-    from atoll.local import LocalCluster
-    from atoll.plan import ClusterStatus, Plan
-    from atoll.program import Program, Value
-    from atoll.remote import RemoteValue
-    from atoll.trace import Trace
 
 __all__ = [
     "AtollError",

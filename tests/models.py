@@ -162,8 +162,8 @@ def hf_gpt2(transformers, batch: int = 8):
 def compile_locally(model: nn.Module, x, y, loss_fn, **config):
     """``model`` exported as a client would and compiled in this process (no cluster): the
     controller's CompiledPipeline, for ``JobConfig(**config)``."""
-    from atoll._export import export_pipeline
-    from atoll.controller.compiler import PipelineRequest, compile_pipeline
+    from atoll.client.export import export_pipeline
+    from atoll.controller.compiler.pipeline import PipelineRequest, compile_pipeline
     from atoll.core.config import JobConfig
 
     job = JobConfig(**config)

@@ -1,4 +1,4 @@
-"""Process bookkeeping for tests: find what the suite started (stopping is atoll.local.stop_processes)."""
+"""Process bookkeeping for tests: find what the suite started (stopping is atoll.client.local.stop_processes)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def health(channel: grpc.Channel) -> int:
 def in_process_cluster(tmp_path: Path):
     """A controller and one worker in this process (one profiler, one debugger sees both):
     yields (controller, worker, token_file); stops both."""
-    from atoll._auth import resolve_token
     from atoll.controller.daemon import ControllerConfig, ControllerDaemon
-    from atoll.worker import WorkerDaemon
+    from atoll.net.auth import resolve_token
+    from atoll.worker.daemon import WorkerDaemon
 
     token_file = str(tmp_path / "token")
     controller = ControllerDaemon(ControllerConfig(token_file=token_file))

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll._auth import call_metadata
-from atoll._export import export_pipeline
 from atoll._rpc import atoll_pb2 as pb
+from atoll.client.export import export_pipeline
 from atoll.core.config import JobConfig
 from atoll.core.graphs import FORCE_WEIGHTS_ONLY_ENV, deserialize
 from atoll.core.wire import spec_to_pb
+from atoll.net.auth import call_metadata
 from tests import models
 
 pytestmark = pytest.mark.cluster  # every test here starts processes

@@ -3,24 +3,22 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # the user's side: public API, client, export, plan and status views, the local cluster launcher
-CLIENT = {"atoll", "atoll.client", "atoll._export", "atoll.plan", "atoll.program", "atoll.remote", "atoll.local"}
+CLIENT = {"atoll", "atoll.client"}
 # the worker's side: daemon, executor, data plane
-WORKER = {
-    "atoll.worker",
-    "atoll._executor",
-    "atoll._transport",
-    "atoll._cuda_ipc",
-    "atoll._nccl",
-    "atoll._turnstile",
-    "atoll._values",
-    "atoll._buckets",
-    "atoll._zero",
-}
+WORKER = {"atoll.worker"}
 # composes both sides, by design
-CLI = {"atoll.cli", "atoll._plan_cli"}
+CLI = {"atoll.cli"}
+# gRPC plumbing both daemons and the client share
+NET = "atoll.net"
+
+
+def _in(module: str, group: set[str]) -> bool:
+    return any(module == g or module.startswith(f"{g}.") for g in group)
 
 
 def _module(path: Path) -> str:
@@ -66,13 +64,29 @@ def test_the_controller_never_imports_the_client_or_the_worker():
 
 def test_the_client_never_imports_compiler_passes_or_the_worker():
     for module, imported in _imports().items():
-        if module in CLIENT:
+        if _in(module, CLIENT - {"atoll"}) or module == "atoll":
             bad = {m for m in imported if m.startswith("atoll.controller")} | _touches(imported, WORKER)
             assert not bad, f"{module} imports {bad}"
 
 
 def test_the_worker_never_imports_the_controller_or_the_client():
     for module, imported in _imports().items():
-        if module in WORKER:
+        if _in(module, WORKER):
             bad = {m for m in imported if m.startswith("atoll.controller")} | _touches(imported, CLIENT | CLI)
             assert not bad, f"{module} imports {bad}"
+
+
+def test_the_network_layer_imports_only_itself_the_core_and_errors():
+    for module, imported in _imports().items():
+        if module.startswith(NET):
+            outside = {m for m in imported if not m.startswith((NET, "atoll.core", "atoll.errors", "atoll._rpc"))}
+            outside.discard("atoll")  # `from atoll import errors`
+            assert not outside, f"{module} (net) imports {outside}"
+
+
+def test_every_package_is_listed_in_the_packaging():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module(p) for folder in ("runtime", "controller") for p in (ROOT / folder).rglob("__init__.py")}
+    assert found == listed, f"packages on disk and in pyproject.toml differ: {found ^ listed}"

@@ -1,4 +1,4 @@
-"""Bucketed gradient averaging (runtime/_buckets.py) on a real gloo group of two replicas in
+"""Bucketed gradient averaging (runtime/worker/executor/buckets.py) on a real gloo group of two replicas in
 this process (one thread each): buckets start during the last backward, tied parameters wait
 for the end, and every gradient comes out as the replicas' mean."""
 
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atoll._buckets import BUCKET_BYTES, GradBuckets
-from atoll._transport import GlooTransport
+from atoll.worker.executor.buckets import BUCKET_BYTES, GradBuckets
+from atoll.worker.transports.gloo import GlooTransport
 
 
 def _model():

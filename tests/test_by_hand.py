@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.local import stop_processes as stop
+from atoll.client.local import stop_processes as stop
 from tests.procs import wait_for_file
 
 pytestmark = pytest.mark.cluster  # every test here starts processes

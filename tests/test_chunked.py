@@ -1,12 +1,12 @@
-"""atoll._chunked: a message crosses as pieces, its large bytes fields lifted out and sent beside
+"""atoll.net.chunked: a message crosses as pieces, its large bytes fields lifted out and sent beside
 it (so protobuf's 2 GiB limit applies to the rest only), and comes back whole; pieces that do
 not add up are refused with the reason."""
 
 import pytest
 
-from atoll import _chunked as chunked
 from atoll._rpc import atoll_pb2 as pb
 from atoll.errors import InvalidInput
+from atoll.net import chunked
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll import cli
+from atoll.cli import commands as cli
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 

@@ -1,4 +1,4 @@
-"""Weighted fair queueing of steps (controller/fairness.py), as pure logic: the order in which a
+"""Weighted fair queueing of steps (controller/cluster/fairness.py), as pure logic: the order in which a
 gate lets waiting steps go, with no cluster and no clock in the assertions."""
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from atoll.controller.fairness import FairGate
+from atoll.controller.cluster.fairness import FairGate
 
 SHARED = frozenset({"w0", "w1"})
 

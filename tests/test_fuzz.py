@@ -13,8 +13,8 @@ from google.protobuf import descriptor as pd
 from grpc_health.v1 import health_pb2
 
 import atoll
-from atoll._auth import call_metadata
 from atoll._rpc import atoll_pb2 as pb
+from atoll.net.auth import call_metadata
 from tests import models
 from tests.procs import health, rss
 

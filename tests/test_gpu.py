@@ -135,7 +135,7 @@ def test_nccl_cannot_be_forced_onto_one_gpu(gpu_client):
 
 def test_nccl_transport_in_a_one_rank_group():
     """One GPU allows only a one-rank NCCL group: its collective path runs (P2P needs two GPUs)."""
-    from atoll._nccl import NcclTransport
+    from atoll.worker.transports.nccl import NcclTransport
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30))
     nccl = NcclTransport(

@@ -1,6 +1,6 @@
 """No size ceiling: a model whose weights exceed the 1 GiB cap of one gRPC message (303M fp32
 parameters, 1.2 GB) is submitted, loaded whole on one worker, stepped once and saved. Its weights
-cross every hop (client -> controller -> worker) in pieces (atoll._chunked), and the worker writes
+cross every hop (client -> controller -> worker) in pieces (atoll.net.chunked), and the worker writes
 the checkpoint itself; the saved weights are those of one SGD step in this process."""
 
 import json
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll._chunked import available_bytes
-from atoll._grpc import MAX_MESSAGE_BYTES
+from atoll.net.chunked import available_bytes
+from atoll.net.rpc import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 

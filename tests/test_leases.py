@@ -1,4 +1,4 @@
-"""Job leases (controller/leases.py): a job is closed once the client process that submitted it
+"""Job leases (controller/cluster/leases.py): a job is closed once the client process that submitted it
 has died and its lease has run out; a detached job and a live client's job stay."""
 
 import subprocess

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import atoll
-from atoll.local import stop_processes
+from atoll.client.local import stop_processes
 from tests.procs import wait_for_file
 
 pytestmark = pytest.mark.cluster  # every test here starts processes

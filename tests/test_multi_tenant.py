@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import atoll
-from atoll.local import stop_processes
+from atoll.client.local import stop_processes
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 from tests.tenant import SGD, shares_when_the_first_finished, step_starts, train_queued
@@ -72,7 +72,7 @@ def test_three_clients_share_four_workers_fairly(tmp_path, record_property):
 
 def test_busy_jobs_share_workers_in_proportion_to_their_weights(record_property):
     """Two jobs on the same two workers, weights 2 and 1, both always with steps waiting: while
-    both run, the first gets about twice the steps (weighted fair dispatch, controller/fairness.py)."""
+    both run, the first gets about twice the steps (weighted fair dispatch, controller/cluster/fairness.py)."""
     with atoll.LocalCluster(workers=2) as cluster, cluster.client() as client:
         _weighted_run(client, record_property)
 

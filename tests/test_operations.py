@@ -18,9 +18,9 @@ import torch
 from grpc_health.v1 import health_pb2
 
 import atoll
-from atoll import cli
-from atoll._grpc import _check_free
-from atoll.local import stop_processes
+from atoll.cli import commands as cli
+from atoll.client.local import stop_processes
+from atoll.net.rpc import _check_free
 from tests import models
 from tests.procs import health, wait_for_file
 
@@ -210,7 +210,7 @@ def test_a_user_error_is_one_line_and_a_nonzero_exit(tmp_path):
 def test_version_help_and_the_schedules_offered():
     from importlib.metadata import version
 
-    from atoll.controller.schedules import SCHEDULES
+    from atoll.controller.compiler.schedules import SCHEDULES
 
     assert cli.SCHEDULES == tuple(SCHEDULES)
     parser = cli.build_parser()
@@ -302,7 +302,7 @@ def test_status_watch_and_the_environment(stepped, monkeypatch):
 def test_log_records_carry_worker_job_and_step(capsys):
     import logging
 
-    from atoll import _log
+    from atoll.net import log as _log
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
@@ -334,9 +334,9 @@ def _ipv6_loopback() -> bool:
 def test_daemons_on_an_ipv6_host_write_it_in_brackets(tmp_path):
     """``--host ::1``: every address a daemon reports is ``[::1]:port`` (what gRPC targets and the
     value servers' peers read), and a job, a remote value and status work through them."""
-    from atoll._auth import resolve_token
     from atoll.controller.daemon import ControllerConfig, ControllerDaemon
-    from atoll.worker import WorkerDaemon
+    from atoll.net.auth import resolve_token
+    from atoll.worker.daemon import WorkerDaemon
 
     token_file = str(tmp_path / "token")
     controller = ControllerDaemon(ControllerConfig(host="::1", token_file=token_file))

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll import _address
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.daemon import ControllerConfig, ControllerDaemon
 from atoll.controller.jobs import Job
 from atoll.controller.service import ControllerService
 from atoll.core import checkpoint
+from atoll.net import address as _address
 from tests.models import compile_locally
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,7 +121,7 @@ def test_atoll_and_its_status_command_do_not_import_torch():
     """`import atoll` resolves its public names on first use, and `atoll status` talks to the
     controller without torch (bench/cli.py measures both commands' time)."""
     code = (
-        "import sys, atoll, atoll.cli, atoll._connection\n"
+        "import sys, atoll, atoll.cli.commands, atoll.client.connection\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "assert callable(atoll.connect) and 'torch' in sys.modules\n"  # the client itself needs it
         "assert sorted(atoll.__all__) == sorted(atoll._EXPORTS) and all(getattr(atoll, n) for n in atoll.__all__)\n"
@@ -129,6 +129,6 @@ def test_atoll_and_its_status_command_do_not_import_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATOLL_")}
-    code = "import sys, runpy; sys.argv = ['atoll', 'status', '--help']\ntry:\n    runpy.run_module('atoll.cli', run_name='__main__')\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n"  # noqa: E501
+    code = "import sys, runpy; sys.argv = ['atoll', 'status', '--help']\ntry:\n    runpy.run_module('atoll.cli.commands', run_name='__main__')\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n"  # noqa: E501
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert run.returncode == 0 and "--all" in run.stdout, run.stderr

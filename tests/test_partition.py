@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll._export import split_names
-from atoll.controller.partition import balanced_partition
+from atoll.client.export import split_names
+from atoll.controller.compiler.partition import balanced_partition
 from atoll.errors import InvalidInput
 from tests.models import compile_locally
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from atoll.controller.placement import place
-from atoll.controller.registry import WorkerRecord
+from atoll.controller.cluster.placement import place
+from atoll.controller.cluster.registry import WorkerRecord
 from atoll.errors import NotEnoughWorkers
 
 

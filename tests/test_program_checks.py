@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll._export import export_pipeline
+from atoll.client.export import export_pipeline
 from tests.models import compile_locally
 
 X, Y = torch.randn(8, 12), torch.randint(0, 3, (8,))

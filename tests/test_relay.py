@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from atoll._grpc import make_server, rpc_handler
-from atoll._relay import Relay, children
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.controller.dispatch import Call, Dispatcher, DispatchError, relay_tree
-from atoll.controller.registry import WorkerRecord
+from atoll.controller.cluster.dispatch import Call, Dispatcher, DispatchError, relay_tree
+from atoll.controller.cluster.registry import WorkerRecord
 from atoll.errors import JobFailed
+from atoll.net.relay import Relay, children
+from atoll.net.rpc import make_server, rpc_handler
 
 TOKEN = "relay-test-token"
 

@@ -1,4 +1,4 @@
-"""The data plane's rendezvous lives behind the controller's gRPC (controller/rendezvous.py): the
+"""The data plane's rendezvous lives behind the controller's gRPC (controller/cluster/rendezvous.py): the
 controller listens on no other port, and its store can be neither read nor written without the
 cluster token and the job's namespace secret, which only the job's workers get."""
 
@@ -7,11 +7,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from atoll._auth import call_metadata
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.controller.rendezvous import MAX_VALUE_BYTES, Rendezvous
+from atoll.controller.cluster.rendezvous import MAX_VALUE_BYTES, Rendezvous
 from atoll.errors import InvalidInput, NotPermitted
+from atoll.net.auth import call_metadata
 from tests import models
 
 pytestmark = pytest.mark.cluster  # every test here starts processes

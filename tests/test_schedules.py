@@ -3,10 +3,10 @@
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from atoll.controller.lowering import lower
-from atoll.controller.schedules import build_schedule
-from atoll.controller.simulate import ScheduleError, simulate
-from atoll.controller.topology import Topology
+from atoll.controller.compiler.lowering import lower
+from atoll.controller.compiler.schedules import build_schedule
+from atoll.controller.compiler.simulate import ScheduleError, simulate
+from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.dataflow import BATCH, Dataflow, Edge, Routes, TiedParameter
 from atoll.core.wire import EdgeSpec, TensorSpec

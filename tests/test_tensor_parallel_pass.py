@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from atoll._export import export_pipeline
-from atoll.controller.simulate import ScheduleError, check_islands, island_order
-from atoll.controller.split import split_model
-from atoll.controller.tensor_parallel import _view_dim, shard_stage
+from atoll.client.export import export_pipeline
+from atoll.controller.compiler.parallel.tensor import _view_dim, shard_stage
+from atoll.controller.compiler.simulate import ScheduleError, check_islands, island_order
+from atoll.controller.compiler.split import split_model
 from atoll.core import collectives
 from atoll.core.actions import Action
 from atoll.core.graphs import BlockGraph, deserialize

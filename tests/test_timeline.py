@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll import cli
 from atoll._rpc import atoll_pb2 as pb
-from atoll.controller import trace
+from atoll.cli import commands as cli
+from atoll.controller.compiler import trace
 from atoll.core.actions import Action, Kind
 from examples.trace_pipeline import traced_job
 from tests.models import compile_locally, mlp

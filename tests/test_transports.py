@@ -3,8 +3,8 @@
 import pytest
 
 import atoll
-from atoll.controller.registry import WorkerRecord
-from atoll.controller.transports import choose_transport, edge_transports, peer_transports
+from atoll.controller.cluster.registry import WorkerRecord
+from atoll.controller.cluster.transports import choose_transport, edge_transports, peer_transports
 from atoll.errors import InvalidInput
 from tests.models import placed_chain, submit
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from atoll._turnstile import Turnstile
 from atoll.errors import InvalidInput
+from atoll.worker.turnstile import Turnstile
 
 
 def run_all(turnstile, seqs, hold_s=0.0):

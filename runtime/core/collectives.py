@@ -1,6 +1,6 @@
 """Collectives of a tensor-parallel island, as torch custom ops that stage graphs call.
 
-The compiler (controller/tensor_parallel.py) writes these ops into each rank's stage graph where
+The compiler (controller/compiler/parallel/tensor.py) writes these ops into each rank's stage graph where
 Megatron-LM puts its conjugate operators: ``island_all_reduce`` is Megatron's *g* (sum the
 partial outputs of a row-parallel layer; its gradient passes through unchanged) and
 ``island_copy`` is *f* (the input of a column-parallel layer; its gradient is summed over the
@@ -31,7 +31,7 @@ from torch.library import custom_op
 
 
 class IslandGroup(Protocol):
-    """What the ops need of the island (runtime/_transport.py's GlooTransport): an in-place
+    """What the ops need of the island (runtime/worker/transports/gloo.py's GlooTransport): an in-place
     ``all_reduce`` ("sum" or "max") and an ``all_gather_into``, each waited for with a deadline."""
 
     rank: int

@@ -50,10 +50,10 @@ class JobConfig:
     admission_timeout_s: float = 0.0
     """How long a request the cluster cannot meet now waits in the admission queue (0: fail at once)."""
     weight: float = 1.0
-    """Share of shared workers' time against other busy jobs (controller/fairness.py)."""
+    """Share of shared workers' time against other busy jobs (controller/cluster/fairness.py)."""
     dispatch: str = "parallel"
     """"parallel": a step goes to all its workers at once, directly up to 16 workers and relayed
-    through a tree of the job's workers above (controller/dispatch.py); "direct" or "relay" force one of the
+    through a tree of the job's workers above (controller/cluster/dispatch.py); "direct" or "relay" force one of the
     two; "sequential": each rank only once the previous one has started its step. All but
     "parallel" exist to measure what it saves."""
     data_parallel: int = 1
@@ -61,22 +61,22 @@ class JobConfig:
     of every batch; gradients are averaged across them before the optimizer step."""
     zero: int = 0
     """1: ZeRO stage 1, each replica keeps and steps 1/data_parallel of the optimizer state, and the
-    updated parameters are all-gathered (runtime/_zero.py); 0: every replica steps everything."""
+    updated parameters are all-gathered (runtime/worker/executor/zero.py); 0: every replica steps everything."""
     tensor_parallel: int = 1
     """Workers per pipeline rank: each stage runs sharded over an island of this many workers
-    (Megatron-LM tensor parallelism, controller/tensor_parallel.py)."""
+    (Megatron-LM tensor parallelism, controller/compiler/parallel/tensor.py)."""
     tensor_parallel_plan: dict = field(default_factory=dict)
     """Module name -> "colwise", "rowwise", "vocab_embedding" (what the compiler must find it to be)
     or "replicate" (keep it whole); modules not named are sharded as the compiler finds them."""
     sequence_parallel: bool = False
     """With tensor parallelism: the token-wise code between its layers (residual adds, LayerNorm,
-    dropout) runs on 1/tensor_parallel of the sequence (controller/sequence_parallel.py)."""
+    dropout) runs on 1/tensor_parallel of the sequence (controller/compiler/parallel/sequence.py)."""
     resume_from: str = ""
     """A checkpoint directory (``Job.save``): the job starts from its weights and optimizer state,
     whatever layout saved them."""
     detached: bool = False
     """Keep the job when the client that submitted it goes away (by default it is closed once the
-    client's lease runs out, controller/leases.py)."""
+    client's lease runs out, controller/cluster/leases.py)."""
     auto_resume: bool = False
     """After a worker failure, restore the job from its last checkpoint onto live workers and replay
     the steps since (controller/resume.py); such a job saves to ``checkpoint_path`` every

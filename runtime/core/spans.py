@@ -1,6 +1,6 @@
 """What a worker records of each step it runs: one span per action of its list, and one per wait
 on the data plane inside an action, on the worker's wall clock. The controller gathers them into
-timelines (controller/trace.py); the executor keeps the last ``KEPT_STEPS`` steps.
+timelines (controller/compiler/trace.py); the executor keeps the last ``KEPT_STEPS`` steps.
 
 Each action also runs inside a ``torch.profiler.record_function`` range named ``atoll <action>``,
 so a user's own torch profiler trace shows where the runtime's actions begin and end.

@@ -1,0 +1,197 @@
+"""Parallel dispatch: one call to every worker of a job at once, directly or relayed.
+
+Downstream workers wait on their data-plane receives, not on the controller, so all ranks must
+be called together; a rank called late would only leave its peers waiting. Calls go out on one
+asyncio loop (atoll.net.rpc.AsyncCalls), not a thread each, so any number can be in flight.
+
+A gRPC call costs the caller far more than building its message (about 0.5 ms of CPU on a
+small machine), so sending a step to n workers directly costs the controller n calls. Relayed
+dispatch sends it as one call to the root of a tree of the job's workers (``RELAY_FANOUT``
+children per worker, in rank order, preorder), and every worker relays to its children
+(runtime/net/relay.py): the controller's calls per step stay at one, each worker makes at most
+``RELAY_FANOUT``, and a step reaches every worker after about log_fanout(n) hops.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass
+
+import grpc
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.controller.cluster.registry import WorkerRecord
+from atoll.errors import AtollError, from_status
+from atoll.net.relay import RELAY_MARGIN_S, in_thread
+from atoll.net.rpc import AsyncCalls
+
+RELAY_ABOVE_WORKERS = 16
+"""Above this many workers, "parallel" dispatch relays a step through a tree of them."""
+RELAY_FANOUT = 8
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(slots=True)
+class Call:
+    worker: WorkerRecord
+    method: str
+    request: object
+    """May be shared by several calls of one dispatch (a step's common request)."""
+    gang_seq: int = 0
+    """The worker's gang position for this call (0: unordered), set when dispatched."""
+    gang_floor: int = 0
+    """Positions of the worker below this one whose calls have ended (controller/jobs.py, GangScheduler)."""
+
+
+class DispatchError(AtollError):
+    def __init__(self, worker: WorkerRecord, error: AtollError):
+        super().__init__(f"{worker.describe()}: {error}")
+        self.worker = worker
+        self.error = error
+        self.code = error.code
+
+
+@functools.lru_cache(maxsize=256)
+def relay_tree(workers: int, fanout: int = RELAY_FANOUT) -> tuple[int, ...]:
+    """Subtree sizes of a tree over ranks 0..workers-1 in preorder (rank order): rank 0 is the
+    root, and the ranks after a worker are split into at most ``fanout`` contiguous subtrees of
+    near-equal size."""
+    sizes = [0] * workers
+    todo = [(0, workers)]
+    while todo:
+        start, size = todo.pop()
+        sizes[start] = size
+        rest, pos = size - 1, start + 1
+        k = min(fanout, rest)
+        for i in range(k):
+            part = rest // k + (i < rest % k)
+            todo.append((pos, part))
+            pos += part
+    return tuple(sizes)  # cached: a job's every step uses the same tree
+
+
+class Pending:
+    """The replies of one dispatch, in call order: ``replies()`` waits for all of them, or
+    raises the first failure (``DispatchError``, naming the worker) as soon as it is known."""
+
+    def __init__(self, calls: list[Call], futures: list[Future]):
+        self.calls = calls
+        self._futures = futures
+
+    def on_end(self, callback) -> None:
+        """Call ``callback(call)`` once each call has ended, failed or not."""
+        for call, future in zip(self.calls, self._futures):
+            future.add_done_callback(lambda _, call=call: callback(call))
+
+    def settle(self) -> Pending:
+        """Wait until every call has ended, failed or not (each has its own deadline)."""
+        wait(self._futures)
+        return self
+
+    def replies(self) -> list:
+        done, _ = wait(self._futures, return_when=FIRST_EXCEPTION)
+        for call, future in zip(self.calls, self._futures):
+            if future in done and future.exception() is not None:
+                raise DispatchError(call.worker, future.exception())
+        return [f.result() for f in self._futures]
+
+
+class RelayedPending(Pending):
+    """One call to the tree's root, answered with every member's result in rank order."""
+
+    def __init__(self, calls: list[Call], root: Future):
+        super().__init__(calls, [root])
+
+    def on_end(self, callback) -> None:
+        self._futures[0].add_done_callback(lambda _: [callback(call) for call in self.calls])
+
+    def replies(self) -> list:
+        try:
+            results = self._futures[0].result().results
+        except AtollError as e:  # the root failed or could not be reached: nothing was relayed
+            raise DispatchError(self.calls[0].worker, e) from None
+        if len(results) != len(self.calls):
+            raise DispatchError(
+                self.calls[0].worker, AtollError(f"relay answered for {len(results)} of {len(self.calls)} workers")
+            )
+        failed = [i for i, r in enumerate(results) if r.code]
+        if failed:  # a member's own failure, rather than the abandonment it caused
+            i = next((i for i in failed if not results[i].abandoned), failed[0])
+            code = _CODES.get(results[i].code, grpc.StatusCode.UNKNOWN)
+            raise DispatchError(self.calls[i].worker, from_status(code, results[i].error))
+        return [r.reply for r in results]
+
+
+def _requests(calls: list[Call]) -> list:
+    """Each call's request with its gang position; a request shared by several calls is copied."""
+    shared = collections.Counter(id(c.request) for c in calls)
+    out = []
+    for c in calls:
+        request = c.request
+        if c.gang_seq:
+            if shared[id(request)] > 1:
+                request = type(request)()
+                request.CopyFrom(c.request)
+            request.gang_seq, request.gang_floor = c.gang_seq, c.gang_floor
+        out.append(request)
+    return out
+
+
+class Dispatcher:
+    def __init__(self, token: str, fanout: int = RELAY_FANOUT, controller_key: str = ""):
+        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key)
+        self.fanout = fanout
+
+    def submit(self, calls: list[Call], timeout_s: float) -> Pending:
+        """Send every call now; returns at once."""
+        futures = [self._calls.call(c.worker.address, c.method, r, timeout_s) for c, r in zip(calls, _requests(calls))]
+        return Pending(calls, futures)
+
+    def relay(self, calls: list[Call], common: pb.RunStepRequest, timeout_s: float) -> Pending:
+        """Send a step (``RunStep`` calls in rank order, whose requests are ``common`` or their
+        own) through a relay tree of its workers; returns at once."""
+        request = pb.RunStepGroupRequest(
+            common=common,
+            timeout_s=timeout_s,
+            members=[
+                pb.GroupMember(
+                    address=c.worker.address,
+                    gang_seq=c.gang_seq,
+                    gang_floor=c.gang_floor,
+                    own=None if c.request is common else c.request,
+                    subtree=size,
+                )
+                for c, size in zip(calls, relay_tree(len(calls), self.fanout))
+            ],
+        )
+        # every level of the tree may take its margin
+        deadline = timeout_s + RELAY_MARGIN_S * len(calls).bit_length()
+        return RelayedPending(calls, self._calls.call(calls[0].worker.address, "RunStepGroup", request, deadline))
+
+    def sequential(self, calls: list[Call], timeout_s: float) -> Pending:
+        """Send each call (a step: ``RunStep``) only once the previous one's worker reports that
+        the step has started there; returns at once after the last has started. For measuring
+        what parallel dispatch saves; a rank cannot wait for the next one's start, since it
+        would block on its sends to it."""
+        futures: list[Future] = []
+        for call, request in zip(calls, _requests(calls)):
+            stream = call.worker.endpoint.stream(f"{call.method}Stream", request, timeout_s)
+            try:
+                next(stream)
+            except AtollError as e:
+                futures.append(Future())
+                futures[-1].set_exception(e)
+                continue  # the later calls still go: their gang positions are taken
+            futures.append(in_thread(lambda s: next(s).reply, stream))
+        return Pending(calls, futures)
+
+    def each(self, calls: list[Call], timeout_s: float) -> list[AtollError | object]:
+        """Replies or errors in call order, waiting for all (for cleanup, where failures are expected)."""
+        futures = self.submit(calls, timeout_s)._futures
+        return [f.exception() or f.result() for f in futures]
+
+    def close(self) -> None:
+        self._calls.close()

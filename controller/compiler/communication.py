@@ -1,0 +1,76 @@
+"""Predicted communication: the bytes each rank moves in one step, read off its action list.
+
+The counts follow what the executor counts as it runs (runtime/worker/executor/interpreter.py, ``data_plane_bytes``),
+so a step's measured figures can be set beside these: ``sent`` and ``received`` are the tensor
+bytes of its point-to-point transfers (activations, their gradients, tied-parameter gradients);
+``all_reduced`` is the gradient bytes it puts into the data-parallel all-reduce (what the
+collective then moves over the wire depends on gloo's algorithm and is not counted);
+``island_all_reduced`` is the bytes it puts into its tensor-parallel island's collectives, read off
+the sharded programs (controller/compiler/parallel/tensor.py): per forward those of the stage (and of the
+loss, on the last stage), per backward those of the backward, plus the forward's again where the
+backward recomputes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atoll.core.actions import STEP_MODES, Action, Kind
+from atoll.core.dataflow import Routes
+
+
+def _bytes(specs) -> int:
+    return sum(t.nbytes for t in specs)
+
+
+def island_bytes(shardings, rematerialize: bool) -> dict[int, tuple[int, int, int]]:
+    """Stage -> (forward, backward, loss) bytes of island collectives per microbatch."""
+    out = {}
+    for s, sharding in enumerate(shardings):
+        if sharding is not None:
+            forward, loss = sharding.bytes("forward"), sharding.bytes("loss_forward")
+            out[s] = (forward, sharding.bytes("backward") + (forward + loss if rematerialize else 0), loss)
+    return out
+
+
+def predict_rank(
+    actions: list[Action],
+    routes: Routes,
+    rank: int,
+    params: list[torch.Tensor],
+    zero_shards: int,
+    mode: str = "train",
+    island: dict[int, tuple[int, int, int]] | None = None,
+) -> dict[str, int]:
+    runs = STEP_MODES[mode]
+    sent = received = all_reduced = island_reduced = 0
+    last = routes.flow.num_stages - 1
+    island = island or {}
+    for a in actions:
+        if runs is not None and a.kind not in runs:
+            continue
+        s = a.stage
+        forward, backward, loss = island.get(s, (0, 0, 0))
+        if a.kind is Kind.FORWARD:
+            island_reduced += forward + (loss if s == last and mode != "forward" else 0)
+        elif a.kind is Kind.BACKWARD:
+            island_reduced += backward
+        elif a.kind is Kind.RECV_F:
+            received += _bytes(routes.recv_f_specs(s))
+        elif a.kind is Kind.RECV_B:
+            received += _bytes(routes.recv_b_specs(s))
+        elif a.kind is Kind.SEND_F:
+            sent += sum(_bytes(e.spec.tensors) for _, e in routes.remote_out(s))
+        elif a.kind is Kind.SEND_B:
+            sent += sum(_bytes(e.grad_specs) for _, e in routes.remote_in(s))
+        elif a.kind is Kind.REDUCE_GRAD:  # each holder's sum goes to every other holder
+            tied = _bytes(routes.tied_recv_specs(rank))
+            sent, received = sent + tied, received + tied
+        elif a.kind is Kind.ALL_REDUCE_GRAD:
+            elements = sum(p.numel() for p in params)
+            if zero_shards > 1:  # the flat buffer, padded to equal shards (runtime/worker/executor/zero.py)
+                elements = math.ceil(elements / zero_shards) * zero_shards
+            all_reduced += elements * (params[0].element_size() if params else 0)
+    return {"sent": sent, "received": received, "all_reduced": all_reduced, "island_all_reduced": island_reduced}

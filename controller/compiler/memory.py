@@ -1,0 +1,170 @@
+"""Predicted peak bytes per worker, before anything runs.
+
+Per stage, the bytes one microbatch stashes come from running the stage on fake tensors of the
+worker's device (see controller.program) with the executor's own accounting
+(atoll.core.memory.SavedTensors); per rank, the lowered action
+list is then walked with the executor's observation points (after each compute and STEP, and
+mid-backward for a recomputed forward), so prediction and measurement count the same things.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+from atoll.controller.compiler.lowering import Lowered
+from atoll.controller.compiler.program import fake_inputs, fake_mode
+from atoll.controller.compiler.topology import Topology
+from atoll.core.actions import Kind
+from atoll.core.dataflow import Routes
+from atoll.core.graphs import BlockGraph, StageGraph, flatten, on_device
+from atoll.core.memory import MemorySnapshot, SavedTensors, storage_key
+from atoll.core.wire import EdgeSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    parameter_bytes: int
+    stashed_bytes: int
+    """Held from a microbatch's forward to its backward (just its input under rematerialization)."""
+    recomputed_bytes: int
+    """Held only during a backward that recomputes the forward (0 without rematerialization)."""
+
+
+def measure_stage(
+    graph: StageGraph,
+    input_spec: EdgeSpec,
+    from_stages: set[int],
+    loss: BlockGraph | None,
+    target_spec: EdgeSpec | None,
+    rematerialize: bool,
+    device: str = "cpu",
+) -> StageMemory:
+    """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
+    would hold. ``from_stages``: the input positions another stage produces (received into
+    buffers or handed over from the producer's stash, so counted there); batch inputs are the
+    stage's own. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
+    to fake device weights in place."""
+    with fake_mode() as mode:
+        graph = graph.on(device, mode)
+        if loss is not None and device != "cpu":
+            loss = BlockGraph(loss.name, on_device(loss.ep, device, mode))
+        params = [p for _, p in graph.named_parameters()]
+        # Parameters take part as themselves or as their (memoized) fake copies: exclude both.
+        # The copies are held until the end: a freed storage's key can be reused by an activation.
+        fake_params = [mode.from_tensor(p) for p in params]
+        exclude = {storage_key(p) for p in params + fake_params}
+        inputs = fake_inputs(input_spec, device)
+        for i in from_stages:
+            if inputs[i].is_floating_point():
+                inputs[i].requires_grad_()
+            exclude.add(storage_key(inputs[i]))
+        counter = SavedTensors(exclude)
+        with counter:
+            out = graph.forward(inputs)
+            outputs = flatten(out)
+            if loss is not None:
+                args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec, device), loss.in_spec)
+                outputs = [loss.module(*args, **kwargs)]
+        counter.add(outputs)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    if not rematerialize:
+        return StageMemory(parameter_bytes, counter.nbytes, 0)
+    kept = SavedTensors(exclude)
+    kept.add(inputs)
+    return StageMemory(parameter_bytes, kept.nbytes, counter.nbytes)
+
+
+def optimizer_state_bytes(name: str, args: dict, params: Sequence[torch.Tensor]) -> int:
+    """Bytes torch's optimizer allocates at its first step (momentum, Adam moments, step counters)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    if name == "sgd":
+        return param_bytes if args.get("momentum", 0) else 0
+    moments = 3 if args.get("amsgrad", False) else 2
+    step_counters = 4 * len(params)  # one float32 scalar tensor per parameter
+    return moments * param_bytes + step_counters
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    peak: MemorySnapshot
+    peak_stashed_microbatches: int
+
+
+def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes: int, buffer_bytes: int) -> RankMemory:
+    parameters = sum(stage_memory[s].parameter_bytes for s in stage_memory)
+    activations, stashed, peak, peak_stashed = 0, 0, MemorySnapshot(), 0
+    stages_with_grads: set[int] = set()
+
+    def observe():
+        nonlocal peak, peak_stashed
+        snap = MemorySnapshot(
+            parameters=parameters,
+            gradients=sum(stage_memory[s].parameter_bytes for s in stages_with_grads),
+            optimizer=optimizer_bytes,
+            activations=activations,
+            buffers=buffer_bytes,
+        )
+        if snap.total > peak.total:
+            peak = snap
+        peak_stashed = max(peak_stashed, stashed)
+
+    for a in actions:
+        if a.kind is Kind.FORWARD:
+            activations += stage_memory[a.stage].stashed_bytes
+            stashed += 1
+            observe()
+        elif a.kind is Kind.BACKWARD:
+            mem = stage_memory[a.stage]
+            if mem.recomputed_bytes:
+                activations += mem.recomputed_bytes
+                observe()
+                activations -= mem.recomputed_bytes
+            activations -= mem.stashed_bytes
+            stashed -= 1
+            stages_with_grads.add(a.stage)
+            observe()
+        elif a.kind is Kind.STEP:
+            observe()
+    return RankMemory(peak, peak_stashed)
+
+
+def buffer_bytes(lowered: Lowered, rank: int, routes: Routes) -> int:
+    """Receive slots (sized by what their RECV fills) and REDUCE_GRAD's receive buffers."""
+    total = 0
+    for stage, kind in lowered.slot_owner[rank].values():
+        specs = routes.recv_f_specs(stage) if kind is Kind.RECV_F else routes.recv_b_specs(stage)
+        total += sum(t.nbytes for t in specs)
+    return total + sum(t.nbytes for t in routes.tied_recv_specs(rank))
+
+
+def predict(
+    topo: Topology,
+    lowered: Lowered,
+    stage_memory: dict[int, StageMemory],
+    stage_params: dict[int, list[torch.Tensor]],
+    optimizer: str,
+    optimizer_args: dict,
+    routes: Routes,
+    zero_shards: int = 1,
+) -> dict[int, RankMemory]:
+    """Per rank. With ZeRO-1 over ``zero_shards`` replicas, a rank's optimizer steps one shard of
+    its parameters' flat buffer (runtime/worker/executor/zero.py): one tensor of ceil(elements / shards)."""
+    out = {}
+    for rank in range(topo.ranks):
+        stages = topo.stages_of(rank)
+        params = [p for s in stages for p in stage_params[s]]
+        if zero_shards > 1 and params:
+            shard = math.ceil(sum(p.numel() for p in params) / zero_shards)
+            params = [torch.empty(shard, dtype=params[0].dtype, device="meta")]
+        out[rank] = predict_rank(
+            lowered.actions[rank],
+            {s: stage_memory[s] for s in stages},
+            optimizer_state_bytes(optimizer, optimizer_args, params),
+            buffer_bytes(lowered, rank, routes),
+        )
+    return out

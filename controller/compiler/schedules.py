@@ -1,0 +1,83 @@
+"""Pipeline schedules as pure functions: topology -> per-rank lists of compute actions.
+
+Communication is not here; the lowering pass adds it. Orders follow the papers and match what
+torch.distributed.pipelining executes for the same sizes (tests compare them):
+
+- GPipe (Huang et al. 2019): all forwards, then all backwards.
+- 1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs min(M, S - r) forwards, then
+  alternates one backward and one forward, then drains the backwards. It holds at most
+  min(S - r, M) microbatches of activations instead of GPipe's M.
+- Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): each rank holds V model chunks;
+  forwards walk the chunks in rounds of microbatches, backwards walk them in reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from atoll.controller.compiler.topology import Topology
+from atoll.core.actions import Action, B, F
+
+Schedule = dict[int, list[Action]]
+
+
+def gpipe(topo: Topology) -> Schedule:
+    M = topo.microbatches
+    return {r: [F(r, m) for m in range(M)] + [B(r, m) for m in range(M)] for r in range(topo.ranks)}
+
+
+def one_f_one_b(topo: Topology) -> Schedule:
+    S, M = topo.ranks, topo.microbatches
+    order: Schedule = {}
+    for r in range(S):
+        warmup = min(M, S - r)
+        ops = [F(r, m) for m in range(warmup)]
+        next_f = warmup
+        for m in range(M):
+            ops.append(B(r, m))
+            if next_f < M:
+                ops.append(F(r, next_f))
+                next_f += 1
+        order[r] = ops
+    return order
+
+
+def interleaved_1f1b(topo: Topology) -> Schedule:
+    return {r: _interleaved_rank(topo, r) for r in range(topo.ranks)}
+
+
+def _interleaved_rank(topo: Topology, r: int) -> list[Action]:
+    P, V, M = topo.ranks, topo.virtual_stages, topo.microbatches
+    per_round = topo.microbatches_per_round
+    total = V * M
+    # the last rank warms up one round per extra chunk; each hop upstream adds two more
+    warmup = min((V - 1) * per_round + 2 * (P - 1 - r), total)
+    next_mb = {"F": [0] * V, "B": [0] * V}
+    ops: list[Action] = []
+
+    def emit(kind: str, chunk: int) -> None:
+        make = F if kind == "F" else B
+        ops.append(make(chunk * P + r, next_mb[kind][chunk]))
+        next_mb[kind][chunk] += 1
+
+    forward_chunk = lambda k: (k // per_round) % V  # noqa: E731
+    backward_chunk = lambda k: V - 1 - (k // per_round) % V  # noqa: E731
+    for k in range(warmup):
+        emit("F", forward_chunk(k))
+    for k in range(total - warmup):
+        emit("F", forward_chunk(warmup + k))
+        emit("B", backward_chunk(k))
+    for k in range(total - warmup, total):
+        emit("B", backward_chunk(k))
+    return ops
+
+
+SCHEDULES: dict[str, Callable[[Topology], Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+}
+
+
+def build_schedule(topo: Topology) -> Schedule:
+    return SCHEDULES[topo.schedule](topo)

@@ -1,0 +1,249 @@
+"""A simulator of lowered action lists: finds deadlocks and ordering errors before any plan is
+sent, and produces the predicted timeline (rank x time grid, bubble fraction).
+
+Its rules are the executor's, per edge of the dataflow graph: a RECV posts a receive and never
+blocks; a compute waits until its receive is posted and every producer's (or, backward, every
+consumer's) matching SEND has run, and for local hand-offs until the producing compute ran on
+this rank; a SEND waits for the compute that produces it; REDUCE_GRAD waits for every rank holding
+the same tied parameters; STEP waits until every send of the rank has a posted receive at its
+peers (gloo completes a send only then). Times follow with per-action durations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from atoll.controller.compiler.topology import Topology
+from atoll.core.actions import PER_STEP, Action, Kind
+from atoll.core.dataflow import Routes
+from atoll.errors import InvalidInput
+
+
+class ScheduleError(InvalidInput):
+    """A lowered schedule that would deadlock or is malformed; the message names where."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    spans: dict[int, list[Span]]
+    makespan: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        busy = sum(s.end - s.start for spans in self.spans.values() for s in spans)
+        total = self.makespan * len(self.spans)
+        return 0.0 if total == 0 else 1.0 - busy / total
+
+    def grid(self, unit: float = 1.0) -> list[list[str]]:
+        """Rank x time cells of width ``unit``: an action's text, or '.' for a bubble."""
+        columns = int(round(self.makespan / unit))
+        rows = []
+        for rank in sorted(self.spans):
+            row = ["."] * columns
+            for span in self.spans[rank]:
+                for c in range(int(round(span.start / unit)), int(round(span.end / unit))):
+                    row[c] = str(span.action)
+            rows.append(row)
+        return rows
+
+    def render(self, unit: float = 1.0) -> str:
+        rows = self.grid(unit)
+        width = max((len(c) for row in rows for c in row), default=1)
+        return "\n".join(f"rank {r}: " + " ".join(c.rjust(width) for c in row) for r, row in enumerate(rows))
+
+
+def default_durations(action: Action) -> float:
+    """Backward costs about twice the forward (it computes input and weight gradients)."""
+    return {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}.get(action.kind, 0.0)
+
+
+def _recv_kind(a: Action) -> Kind:
+    return Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B
+
+
+def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
+    """What compute ``a`` consumes: (computes on this rank it takes over a local hand-off,
+    peers' SENDs whose data it receives)."""
+    s, m = a.stage, a.microbatch
+    if a.kind is Kind.FORWARD:
+        local = [Action(e.src, Kind.FORWARD, m) for _, e in routes.local_in(s)]
+        remote = [Action(e.src, Kind.SEND_F, m) for _, e in routes.remote_in(s)]
+    else:
+        local = [Action(e.dst, Kind.BACKWARD, m) for _, e in routes.local_out(s) if e.differentiable]
+        remote = [Action(e.dst, Kind.SEND_B, m) for _, e in routes.remote_out(s) if e.differentiable]
+    return list(dict.fromkeys(local)), list(dict.fromkeys(remote))
+
+
+def matching_recvs(send: Action, routes: Routes) -> list[Action]:
+    s, m = send.stage, send.microbatch
+    if send.kind is Kind.SEND_F:
+        return list(dict.fromkeys(Action(e.dst, Kind.RECV_F, m) for _, e in routes.remote_out(s)))
+    return list(dict.fromkeys(Action(e.src, Kind.RECV_B, m) for _, e in routes.remote_in(s) if e.differentiable))
+
+
+def simulate(
+    actions: dict[int, list[Action]],
+    topo: Topology,
+    routes: Routes,
+    durations: Callable[[Action], float] = default_durations,
+) -> Timeline:
+    pos = {r: 0 for r in actions}
+    clock = {r: 0.0 for r in actions}
+    done: dict[Action, float] = {}  # compute and SEND actions -> time they finished
+    posted: dict[Action, float] = {}  # RECV actions -> time posted
+    consumed: set[Action] = set()
+    spans: dict[int, list[Span]] = {r: [] for r in actions}
+    reduce_at = {
+        r: next((i for i, a in enumerate(acts) if a.kind is Kind.REDUCE_GRAD), None) for r, acts in actions.items()
+    }
+    reduced: dict[int, float] = {}  # rank -> time its REDUCE_GRAD finished
+
+    def blocker(rank: int, a: Action) -> str | None:
+        """Why ``a`` cannot run yet, or None when it can."""
+        if a.kind not in PER_STEP and topo.rank_of(a.stage) != rank:
+            return f"stage {a.stage} does not live on rank {rank}"
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            return f"{a} is posted twice" if a in posted else None
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+            if a in done:
+                return f"{a} runs twice"
+            if a.kind is Kind.BACKWARD and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
+                return f"waits for {a.stage}F{a.microbatch}, not yet run on this rank"
+            local, remote = _inputs(a, routes)
+            for producer in local:
+                if producer not in done:
+                    return f"waits for {producer}, not yet run on this rank"
+            if remote:
+                recv = Action(a.stage, _recv_kind(a), a.microbatch)
+                if recv not in posted:
+                    return f"its receive {recv} is not posted before it"
+                for send in remote:
+                    if send not in done:
+                        return f"waits for {send} on rank {topo.rank_of(send.stage)}"
+            return None
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            if a in done:
+                return f"{a} is sent twice"
+            source = Action(a.stage, Kind.FORWARD if a.kind is Kind.SEND_F else Kind.BACKWARD, a.microbatch)
+            return None if source in done else f"sends the result of {source}, which has not run"
+        if a.kind is Kind.REDUCE_GRAD:  # a collective of the ranks holding tied parameters
+            for peer in sorted(routes.tied_peers(rank)):
+                if reduce_at.get(peer) is None:
+                    return f"rank {peer} holds a tied parameter but runs no REDUCE_GRAD"
+                if pos[peer] < reduce_at[peer]:
+                    return f"waits for rank {peer} to reach its REDUCE_GRAD"
+            return None
+        if a.kind is Kind.ALL_REDUCE_GRAD:  # with the same rank of every replica, whose lists are this one
+            return None
+        # STEP: every send of this rank must have been received by its peer
+        for s in (x for x in actions[rank][: pos[rank]] if x.kind in (Kind.SEND_F, Kind.SEND_B)):
+            for recv in matching_recvs(s, routes):
+                if recv not in posted:
+                    return f"its send {s} has no receive posted by rank {topo.rank_of(recv.stage)}"
+        return None
+
+    def run(rank: int, a: Action) -> None:
+        start = clock[rank]
+        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+            local, remote = _inputs(a, routes)
+            start = max([start, *(done[x] for x in local + remote)])
+            if remote:
+                consumed.add(Action(a.stage, _recv_kind(a), a.microbatch))
+            end = start + durations(a)
+            spans[rank].append(Span(start, end, a))
+            done[a] = end
+        else:
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                posted[a], end = start, start + durations(a)
+            elif a.kind is Kind.REDUCE_GRAD:
+                peers = routes.tied_peers(rank)
+                start = max([start, *(reduced.get(p, clock[p]) for p in peers)])
+                end = reduced[rank] = start + durations(a)
+            else:
+                end = start + durations(a)
+                if a.kind is not Kind.STEP:
+                    done[a] = end
+            if end > start:  # the default durations give data-plane actions none
+                spans[rank].append(Span(start, end, a))
+        clock[rank] = end
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in actions.items():
+            while pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                if blocker(rank, a) is not None:
+                    break
+                run(rank, a)
+                pos[rank] += 1
+                progress = True
+
+    stuck = {r: pos[r] for r in actions if pos[r] < len(actions[r])}
+    if stuck:
+        lines = [
+            f"worker rank {r} blocks at action #{i} '{actions[r][i]}': {blocker(r, actions[r][i])}"
+            for r, i in stuck.items()
+        ]
+        raise ScheduleError("schedule deadlocks:\n  " + "\n  ".join(lines))
+    _check_complete(actions, topo, routes, done, posted, consumed)
+    return Timeline(spans, max(clock.values(), default=0.0))
+
+
+def _check_complete(actions, topo, routes, done, posted, consumed) -> None:
+    problems = []
+    for rank, acts in actions.items():
+        if routes.reduces_on(rank) and not any(a.kind is Kind.REDUCE_GRAD for a in acts):
+            problems.append(f"rank {rank} holds a tied parameter but never runs REDUCE_GRAD")
+    for s in range(topo.num_stages):
+        for m in range(topo.microbatches):
+            for kind in (Kind.FORWARD, Kind.BACKWARD):
+                if Action(s, kind, m) not in done:
+                    problems.append(f"rank {topo.rank_of(s)} never runs {Action(s, kind, m)}")
+    for recv in posted.keys() - consumed:
+        problems.append(f"rank {topo.rank_of(recv.stage)} posts {recv} but nothing consumes it")
+    if problems:
+        raise ScheduleError("schedule is incomplete:\n  " + "\n  ".join(problems[:20]))
+
+
+def island_order(actions: list[Action], collectives: dict[int, dict[str, list[dict]]], last_stage: int) -> list[str]:
+    """The island collectives one island rank runs in a step, in order, from its action list and
+    each sharded stage's collectives (as read off that rank's program): a forward runs the
+    stage's forward ones (and the loss's, on the last stage), a backward its backward ones."""
+    out = []
+    for a in actions:
+        found = collectives.get(a.stage)
+        if found is None or a.kind not in (Kind.FORWARD, Kind.BACKWARD):
+            continue
+        parts = ["forward", "loss_forward"] if a.kind is Kind.FORWARD else ["backward"]
+        if a.stage != last_stage:
+            parts = [p for p in parts if p != "loss_forward"]
+        for part in parts:
+            out.extend(f"{a} {c['op']}{c['shape']}" for c in found.get(part, ()))
+    return out
+
+
+def check_islands(orders: dict[int, list[str]], where: str) -> None:
+    """An island's ranks meet at every collective: each must run the same ones in the same order,
+    or the first to differ waits forever (gloo matches collectives by order, not by name)."""
+    first = min(orders)
+    for member, order in orders.items():
+        if order == orders[first]:
+            continue
+        at = next(
+            (i for i, (a, b) in enumerate(zip(order, orders[first])) if a != b), min(len(order), len(orders[first]))
+        )
+        mine = order[at] if at < len(order) else "nothing (its list ends)"
+        theirs = orders[first][at] if at < len(orders[first]) else "nothing (its list ends)"
+        raise ScheduleError(
+            f"{where}: island rank {member} would deadlock at collective #{at}: it runs {mine}, "
+            f"while island rank {first} runs {theirs}"
+        )

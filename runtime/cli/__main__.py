@@ -1,0 +1,3 @@
+from atoll.cli.commands import main
+
+main()

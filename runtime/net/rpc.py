@@ -1,0 +1,262 @@
+"""gRPC plumbing shared by both daemons and the client: servers with the token check, calls with
+deadlines, and one mapping between atoll errors and status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import threading
+import traceback
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from atoll import errors
+from atoll.net import address as _address
+from atoll.net import chunked
+from atoll.net import tls as _tls
+from atoll.net.auth import TokenInterceptor, call_metadata
+
+log = logging.getLogger("atoll")
+
+# The calls that carry weights travel in pieces (atoll.net.chunked); this caps every other message.
+MAX_MESSAGE_BYTES = 1 << 30
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def _channel(api, address: str, tls: _tls.Tls | None):
+    """A channel of ``api`` (grpc or grpc.aio) to ``address``, over TLS when the process or the
+    caller has it."""
+    if tls is None:
+        return api.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return api.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+
+
+def make_server(token: str, host: str, port: int, max_workers: int = 128) -> tuple[grpc.Server, int]:
+    """A started-later server bound to host:port (port 0 picks a free one); returns the bound port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[TokenInterceptor(token)],
+        options=CHANNEL_OPTIONS,
+    )
+    _check_free(host, port)
+    tls = _tls.current()
+    try:
+        if tls is not None:
+            bound = server.add_secure_port(_address.join(host, port), tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(_address.join(host, port))
+    except RuntimeError:  # newer gRPC raises where older ones returned 0
+        bound = 0
+    if bound == 0:
+        raise errors.WorkerUnavailable(f"could not bind {_address.join(host, port)}")
+    return server, bound
+
+
+def _check_free(host: str, port: int) -> None:
+    """Refuse a host that does not resolve, or a port something already listens on, in one clear
+    line (gRPC's own refusal also writes a log line of its C core to stderr). Binds as gRPC does,
+    with SO_REUSEADDR, so a port left in TIME_WAIT by a daemon that just stopped counts as free."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as e:
+        raise errors.WorkerUnavailable(f"could not bind {host}:{port}: {e.strerror or e}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise errors.WorkerUnavailable(f"could not bind {host}:{port}: {e.strerror}") from None
+
+
+class Health:
+    """A daemon's standard gRPC health service (``grpc.health.v1.Health``), answered without the
+    token (atoll.net.auth) so ``grpc_health_probe`` and Kubernetes' gRPC probes can ask it. It reports
+    the same status for the whole server ("") and for each of ``services`` (e.g. "atoll.v1.Worker");
+    NOT_SERVING until ``set(True)``, and for good once ``shutdown()`` is called."""
+
+    def __init__(self, server: grpc.Server, *services: str):
+        self._servicer = grpc_health.HealthServicer()
+        self._names = ("", *services)
+        self.serving = True  # the servicer starts with "" SERVING: set(False) below overrides it
+        self._down = False
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.set(False)
+
+    def set(self, serving: bool) -> None:
+        if serving == self.serving or self._down:  # called on every heartbeat: mostly nothing to do
+            return
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._names:
+            self._servicer.set(name, status)
+
+    def shutdown(self) -> None:
+        """NOT_SERVING from now on (the daemon is stopping)."""
+        self.serving, self._down = False, True
+        self._servicer.enter_graceful_shutdown()
+
+
+def rpc_handler(method):
+    """Turn exceptions raised by a servicer method into gRPC status codes with clear messages."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        try:
+            return method(self, request, context)
+        except errors.AtollError as e:
+            context.abort(e.code, str(e))
+        except Exception as e:  # a bug or an unexpected torch error: report it, keep serving
+            log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapped
+
+
+def rpc_stream_handler(method):
+    """rpc_handler for a servicer method that yields its replies (server streaming)."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except errors.AtollError as e:
+            context.abort(e.code, str(e))
+        except Exception as e:
+            log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
+            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: {type(e).__name__}: {e}")
+
+    return wrapped
+
+
+def _service_of(stub_class) -> str:
+    return stub_class.__name__.removesuffix("Stub")
+
+
+def _chunked_reply(service: str, method: str, head, data: bytes):
+    return chunked.parse(chunked.message_types(service, method)[1], head, data, f"reply of {method}")
+
+
+class Endpoint:
+    """A connection to one daemon: every call carries the token and a deadline."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        stub_class,
+        default_timeout_s: float = 60.0,
+        controller_key: str = "",
+        tls: _tls.Tls | None = None,
+    ):
+        self.address = address
+        self._channel = _channel(grpc, address, _tls.current(tls))
+        self._stub = stub_class(self._channel)
+        self._service = _service_of(stub_class)
+        self._metadata = call_metadata(token, controller_key)
+        self.default_timeout_s = default_timeout_s
+
+    def call(self, method: str, request, timeout_s: float | None = None, what: str | None = None):
+        """``what`` names the call in its error (default: "METHOD on ADDRESS")."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        try:
+            if method in chunked.CHUNKED_METHODS:  # weights ride in these: in pieces, of any size
+                replies = self._stub.Chunked(chunked.pieces(method, request), timeout=timeout, metadata=self._metadata)
+                return _chunked_reply(self._service, method, *chunked.assemble(replies))
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, what or f"{method} on {self.address}") from None
+
+    def stream(self, method: str, request, timeout_s: float | None = None):
+        """A server-streaming call: an iterator of replies; errors come as atoll errors."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        replies = getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        try:
+            yield from replies
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {self.address}") from None
+
+    def future(self, method: str, request, timeout_s: float | None = None) -> grpc.Future:
+        """Start a call without waiting; ``resolve(future)`` gets its reply or atoll error."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        return getattr(self._stub, method).future(request, timeout=timeout, metadata=self._metadata)
+
+    def resolve(self, future: grpc.Future, method: str, timeout_s: float | None = None):
+        try:
+            return future.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise errors.DeadlineExceeded(f"{method} on {self.address}: no answer within {timeout_s}s") from None
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {self.address}") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class AsyncCalls:
+    """Many unary calls in flight at once without a thread each: one asyncio loop thread drives
+    them over ``grpc.aio`` channels (one per address, made on first use). Used for dispatch,
+    where a step is one call per worker (or per relay group) and many steps may be in flight;
+    a thread per call would cost more, and a bounded pool of them could deadlock by queuing
+    part of a step behind its own waiting calls."""
+
+    def __init__(self, token: str, stub_class, controller_key: str = ""):
+        self._token = token
+        self._metadata = call_metadata(token, controller_key)
+        self._stub_class = stub_class
+        self._service = _service_of(stub_class)
+        self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+
+    def use_controller_key(self, key: str) -> None:
+        """Carry the controller's key from now on (a worker relaying the controller's steps)."""
+        self._metadata = call_metadata(self._token, key)
+
+    def call(self, address: str, method: str, request, timeout_s: float) -> futures.Future:
+        """Start the call now; a Future of its reply, or of its atoll error."""
+        return asyncio.run_coroutine_threadsafe(self._call(address, method, request, timeout_s), self._loop)
+
+    async def _call(self, address: str, method: str, request, timeout_s: float):
+        entry = self._channels.get(address)  # only touched on the loop's thread
+        if entry is None:
+            channel = _channel(grpc.aio, address, _tls.current())
+            entry = self._channels[address] = (channel, self._stub_class(channel))
+        try:
+            if method in chunked.CHUNKED_METHODS:
+                call = entry[1].Chunked(chunked.pieces(method, request), timeout=timeout_s, metadata=self._metadata)
+                return _chunked_reply(self._service, method, *chunked.assemble([c async for c in call]))
+            return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, f"{method} on {address}") from None
+
+    def close(self) -> None:
+        async def close_all():
+            for channel, _ in self._channels.values():
+                await channel.close()
+            self._channels.clear()
+
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close_all(), self._loop).result(5.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def as_atoll_error(e: grpc.RpcError, what: str) -> errors.AtollError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return errors.WorkerUnavailable(f"{what}: daemon unreachable ({details})")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded(f"{what}: no answer before the deadline")
+    return errors.from_status(code, details)

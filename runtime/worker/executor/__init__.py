@@ -1,0 +1,1 @@
+"""The executor: interprets one worker's plan (its action list) step after step."""

@@ -1,0 +1,171 @@
+"""Data-plane transports: how a tensor crosses from one worker to another.
+
+One small interface, as Ray's channels have: ``send`` and ``recv`` post an operation and return
+a handle whose ``wait(timeout_s)`` raises ``DataPlaneError`` on timeout or peer failure;
+``close`` is idempotent and never blocks. gloo's blocking send waits for the matching receive,
+so callers post both sides early and wait later (docs/architecture.md, Transports).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class DataPlaneError(RuntimeError):
+    pass
+
+
+class Handle(Protocol):
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+
+    def close(self) -> None: ...
+
+
+class _GlooHandle:
+    __slots__ = ("_work", "_what", "tensor")
+
+    def __init__(self, work, what: str, tensor: torch.Tensor):
+        self._work = work
+        self._what = what
+        self.tensor = tensor  # keeps a send's source alive until the peer has it
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            reason = "timed out" if "Timed out" in str(e) else "failed"
+            raise DataPlaneError(f"{self._what} {reason} after at most {timeout_s:g}s: {e}") from None
+
+
+class _StagedRecv:
+    """A gloo receive into pinned host memory, copied to the device buffer at ``wait``."""
+
+    __slots__ = ("_inner", "_host", "_device_buf", "_copied")
+
+    def __init__(self, inner: _GlooHandle, host: torch.Tensor, device_buf: torch.Tensor, copied: dict):
+        self._inner, self._host, self._device_buf, self._copied = inner, host, device_buf, copied
+
+    def wait(self, timeout_s: float) -> None:
+        self._inner.wait(timeout_s)
+        self._device_buf.copy_(self._host, non_blocking=True)  # ordered on the compute stream
+        done = torch.cuda.Event()
+        done.record()
+        self._copied[self._host.data_ptr()] = done  # the next receive into _host waits for this copy
+
+
+class GlooTransport:
+    """Point-to-point over a torch.distributed gloo group private to one job.
+
+    The group is built directly (not through init_process_group) so one worker process can
+    belong to the groups of several jobs at once. CUDA tensors are staged through pinned host
+    memory: a send copies to a pinned buffer and waits for that copy before gloo sends it; a
+    receive lands in a pinned twin of its device buffer (allocated once per buffer) and is
+    copied to the device, asynchronously on the compute stream, when the receiver waits for it.
+    """
+
+    name = "gloo"
+
+    def __init__(self, *, store: dist.Store, rank: int, world_size: int, hostname: str, timeout_s: float):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+        self._store = store  # a Python store must outlive the group that may call it (atoll.worker.rendezvous)
+        try:
+            self._group = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        except RuntimeError as e:
+            raise DataPlaneError(f"rank {rank}/{world_size} could not join the job's gloo group: {e}") from None
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._pinned: dict[int, torch.Tensor] = {}  # device buffer's address -> its pinned twin
+        self._copied: dict[int, torch.cuda.Event] = {}  # pinned twin's address -> its last copy out
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _GlooHandle:
+        if tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads the host copy now
+            tensor = host
+        work = self._group.send([tensor], peer, tag)
+        return _GlooHandle(work, f"send to rank {peer} (tag {tag})", tensor)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        target = tensor
+        if tensor.is_cuda:
+            target = self._pinned.get(tensor.data_ptr())
+            if target is None:
+                target = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._pinned[tensor.data_ptr()] = target
+            previous = self._copied.pop(target.data_ptr(), None)
+            if previous is not None:
+                previous.synchronize()
+        work = self._group.recv([target], peer, tag)
+        handle = _GlooHandle(work, f"receive from rank {peer} (tag {tag})", target)
+        return _StagedRecv(handle, target, tensor, self._copied) if tensor.is_cuda else handle
+
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> _GlooHandle:
+        """Sum each CPU tensor in place across the group (one coalesced collective)."""
+        work = self._group.allreduce_coalesced(tensors)
+        return _GlooHandle(work, f"all-reduce of {len(tensors)} tensors", tensors)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        """Reduce a CPU tensor in place across the group ("sum" or "max") and wait for it (a
+        tensor-parallel island's collective, atoll.core.collectives)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        _GlooHandle(self._group.allreduce([tensor], opts), f"island all-reduce ({op})", tensor).wait(self.timeout_s)
+
+    def all_gather_into(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every member's CPU ``tensor`` into ``outputs`` (member order), waited for (an island's
+        sequence-parallel gather, atoll.core.collectives)."""
+        self.all_gather(outputs, tensor).wait(self.timeout_s)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle:
+        """Every member's ``tensor`` into ``outputs`` (one per member, in member order)."""
+        work = self._group.allgather([outputs], [tensor])
+        return _GlooHandle(work, "all-gather", tensor)
+
+    def close(self) -> None:
+        self._group = None
+        self._pinned.clear()
+        self._copied.clear()
+
+
+class PeerTransports:
+    """One transport per peer rank, as the plan chose for the edges between the two workers.
+    Closing it closes every transport of the job on this worker (``owned``), also one that no
+    edge of this rank uses, such as the collective gloo group."""
+
+    name = "per-peer"
+
+    def __init__(self, by_peer: dict[int, Transport], owned: list[Transport]):
+        self.by_peer = by_peer
+        self.owned = owned
+
+    def _for(self, peer: int) -> Transport:
+        try:
+            return self.by_peer[peer]
+        except KeyError:
+            raise DataPlaneError(f"the plan gives no transport towards rank {peer}") from None
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        return self._for(peer).send(tensor, peer, tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        return self._for(peer).recv(tensor, peer, tag)
+
+    def close(self) -> None:
+        for transport in self.owned:
+            transport.close()

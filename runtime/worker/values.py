@@ -1,0 +1,129 @@
+"""Remote values: tensors kept on a worker between steps and jobs, moved worker to worker.
+
+A worker keeps a tensor under an id (``client.put``, or a forward step's output kept where it was
+made) until it is freed. Another worker that needs it as a step input pulls it straight from the
+holder over a TCP connection of the data plane: the bytes never pass through the client or the
+controller, which only pass the reference. Like gloo's, this channel is not encrypted; a request
+must carry the cluster token. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import torch
+
+from atoll.core.wire import TensorSpec, dtype_name, tensor_bytes, tensor_from_bytes
+from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
+from atoll.net import address as _address
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"peer closed the connection with {left} of {n} bytes unread")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_line(conn: socket.socket, limit: int = 4096) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte or len(line) > limit:
+            raise ConnectionError("malformed request line")
+        line += byte
+    return line
+
+
+class ValueStore:
+    """This worker's remote values, and the server its peers pull them from."""
+
+    def __init__(self, host: str, token: str, advertise_host: str | None = None):
+        self._token = token
+        self._values: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.bytes_served = 0
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.create_server((host.strip("[]"), 0), family=family)
+        self.address = _address.join(advertise_host or host, self._server.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._serve, name="values", daemon=True).start()
+
+    def put(self, value_id: str, tensor: torch.Tensor) -> TensorSpec:
+        with self._lock:
+            if value_id in self._values:
+                raise InvalidInput(f"remote value {value_id} already exists on this worker")
+            self._values[value_id] = tensor.detach()
+        return TensorSpec.of(tensor)
+
+    def get(self, value_id: str) -> torch.Tensor:
+        with self._lock:
+            value = self._values.get(value_id)
+        if value is None:
+            raise NotFound(f"remote value {value_id} is not on this worker (freed, or never made here)")
+        return value
+
+    def free(self, value_id: str) -> None:
+        with self._lock:
+            if self._values.pop(value_id, None) is None:
+                raise NotFound(f"remote value {value_id} is not on this worker (freed already?)")
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30.0)
+            try:
+                token, _, value_id = _read_line(conn).decode().strip().partition(" ")
+                if token != self._token:
+                    header, data = {"error": "bad token"}, b""
+                else:
+                    value = self.get(value_id)
+                    data = tensor_bytes(value)
+                    header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
+            except NotFound as e:
+                header, data = {"error": str(e)}, b""
+            except (OSError, ConnectionError, UnicodeDecodeError):
+                return
+            try:
+                conn.sendall(json.dumps(header).encode() + b"\n" + data)
+            except OSError:
+                return
+            with self._lock:
+                self.bytes_served += len(data)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._server.close()
+        except OSError:
+            pass
+
+
+def pull(address: str, token: str, value_id: str, timeout_s: float) -> torch.Tensor:
+    """The remote value ``value_id`` from the worker whose value server listens at ``address``."""
+    try:
+        with socket.create_connection(_address.split(address), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(f"{token} {value_id}\n".encode())
+            header = json.loads(_read_line(conn))
+            if "error" in header:
+                raise NotFound(f"remote value {value_id} at {address}: {header['error']}")
+            data = _read_exact(conn, int(header["nbytes"]))
+    except TimeoutError:
+        raise DeadlineExceeded(f"remote value {value_id}: no answer from {address} within {timeout_s}s") from None
+    except (OSError, ConnectionError, ValueError) as e:
+        raise NotFound(f"remote value {value_id}: cannot read it from {address}: {e}") from None
+    return tensor_from_bytes(data, header["dtype"], header["shape"], f"remote value {value_id}")
