@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from atoll._rpc import atoll_pb2 as pb  # noqa: E402
 from atoll._rpc import atoll_pb2_grpc as pb_grpc  # noqa: E402
-from atoll.cli.commands import _serve_until_stopped  # noqa: E402
+from atoll.cli.daemons import serve_until_stopped  # noqa: E402
 from atoll.errors import AtollError  # noqa: E402
 from atoll.net.auth import resolve_token  # noqa: E402
 from atoll.net.relay import Relay  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     daemon = SimulatedDaemon(args.controller, resolve_token(token_file=args.token_file), args.count, args.island)
-    _serve_until_stopped(daemon, args.ready_file, args.exit_with_parent, f"{args.count} simulated workers")
+    serve_until_stopped(daemon, args.ready_file, args.exit_with_parent, f"{args.count} simulated workers")
 
 
 if __name__ == "__main__":

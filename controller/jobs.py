@@ -1,17 +1,21 @@
-"""Jobs (a loaded plan plus its live state) and the gang order of their steps on shared workers."""
+"""Jobs (a loaded plan plus its live state), the controller's table of them, and the gang order of
+their steps on shared workers."""
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import json
 import threading
 import time
 from dataclasses import dataclass, field
 
+from atoll.controller.cluster.admission import AdmissionQueue, Ticket
 from atoll.controller.cluster.dispatch import RELAY_ABOVE_WORKERS
 from atoll.controller.cluster.registry import WorkerRecord
 from atoll.controller.compiler.pipeline import CompiledPipeline
+from atoll.errors import JobFailed, NotFound
 
 
 class JobState(str, enum.Enum):
@@ -150,3 +154,80 @@ class GangScheduler:
         """The call holding ``seq`` has ended (answered, failed or timed out)."""
         with self._lock:
             self._open.get(worker_id, set()).discard(seq)
+
+
+class JobTable:
+    """The controller's jobs: those it holds, the ids of those closed (a closed job's plan and
+    weights are dropped, its id is kept to say so), and the requests queued for workers.
+
+    ``lock`` is the controller's one lock: placing a job and the bookkeeping after it are one
+    decision, so the methods marked "lock held" are called inside ``with table.lock`` by a caller
+    that makes more of that decision; the others take it themselves."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.admission = AdmissionQueue(self.lock)
+        self._jobs: dict[str, Job] = {}
+        self._closed: set[str] = set()
+        self._ids = itertools.count()
+
+    def new_id(self) -> str:
+        """(lock held)"""
+        return f"job{next(self._ids)}"
+
+    def add(self, job: Job) -> None:
+        """(lock held)"""
+        self._jobs[job.job_id] = job
+
+    def exclusive_ids(self) -> set[str]:
+        """The jobs that keep their workers to themselves (lock held)."""
+        return {jid for jid, j in self._jobs.items() if j.exclusive and j.state is not JobState.FAILED}
+
+    def get(self, job_id: str) -> Job:
+        with self.lock:
+            job = self._jobs.get(job_id)
+            closed = job_id in self._closed
+        if job is None:
+            raise NotFound(f"job {job_id!r} was closed" if closed else f"unknown job {job_id!r}")
+        return job
+
+    def ready(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.state is JobState.FAILED:
+            raise JobFailed(f"job {job_id} has failed and must be submitted again: {job.error}")
+        if job.state is not JobState.READY:
+            raise JobFailed(f"job {job_id} is {job.state.value}")
+        return job
+
+    def is_closed(self, job_id: str) -> bool:
+        with self.lock:
+            return job_id in self._closed
+
+    def all(self) -> list[Job]:
+        with self.lock:
+            return list(self._jobs.values())
+
+    def on_worker(self, record: WorkerRecord) -> list[Job]:
+        with self.lock:
+            return [j for j in self._jobs.values() if record in j.workers]
+
+    def snapshot(self) -> tuple[list[Job], list[Ticket]]:
+        """The jobs and the queue, as of one moment."""
+        with self.lock:
+            return list(self._jobs.values()), self.admission.snapshot()
+
+    def queue_length(self) -> int:
+        with self.lock:
+            return len(self.admission.snapshot())
+
+    def released(self) -> None:
+        """Workers were freed or added: a queued request may fit now."""
+        with self.lock:
+            self.admission.released()
+
+    def remove(self, job: Job) -> set[str]:
+        """Drop a closed job, keeping its id; returns the client sessions that still hold a job."""
+        with self.lock:
+            self._jobs.pop(job.job_id, None)
+            self._closed.add(job.job_id)
+            return {j.session for j in self._jobs.values()}

@@ -24,23 +24,37 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.cluster.dispatch import DispatchError
+from atoll.controller.cluster.metrics import ControllerMetrics
+from atoll.controller.gang import Gang
 from atoll.controller.jobs import Job, JobState
+from atoll.controller.lifecycle import Lifecycle
+from atoll.controller.loading import Loader
+from atoll.controller.state import StateStore
 from atoll.errors import InvalidInput, JobFailed, NotEnoughWorkers
 
 log = logging.getLogger("atoll.controller")
 
 
+@dataclass(kw_only=True, eq=False)
 class AutoResume:
-    """The part of the controller service that restores auto_resume jobs (a mixin of
-    ControllerService: it uses its placement, loading, dispatch and checkpoint methods)."""
+    """Runs the steps of auto_resume jobs and restores them: it places them again (``lifecycle``),
+    loads them (``loader``) from their checkpoints (``state``), and runs and blames steps (``gang``)."""
 
-    MAX_RESTORES = 3
+    lifecycle: Lifecycle
+    loader: Loader
+    state: StateStore
+    gang: Gang
+    metrics: ControllerMetrics
+
+    MAX_RESTORES: ClassVar[int] = 3
     """Restores tried for one step before the job fails."""
 
-    def _resilient_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str) -> pb.StepReply:
+    def step(self, job: Job, seq: int, request: pb.StepRequest, mode: str) -> pb.StepReply:
         """Run step ``seq`` of an auto_resume job, holding ``job.order``: restore the job first if
         it is broken, and again whenever a worker dies under the step or the checkpoint after it."""
         reply = None
@@ -48,63 +62,43 @@ class AutoResume:
         for _ in range(self.MAX_RESTORES + 1):
             try:
                 if job.broken:
-                    self._restore_broken(job)
+                    self._restore(job)
                 if reply is None:
                     started = time.perf_counter()
-                    replies = self._run_step(job, seq, request, mode)
-                    reply = self._step_reply(job, seq, replies)
+                    replies = self.gang.run_step(job, seq, request, mode)
+                    reply = self.gang.step_reply(job, seq, replies)
                     if mode == "train":
                         job.steps += 1
                         job.journal.append((seq, request, reply.loss))
                     job.stepped(mode, reply.loss, replies)
                     self.metrics.step(job, mode, time.perf_counter() - started, replies)
                 if job.journal and job.steps % every == 0:
-                    self._checkpoint(job)
+                    self.state.checkpoint(job)
                 return reply
             except DispatchError as e:
-                cause = self._blame(job, e)
+                cause = self.gang.blame(job, e)
                 if all(w.alive for w in job.workers):  # no worker lost: the step itself is at fault
-                    self._fail(job, f"step {seq} failed: {cause}")
-                    raise JobFailed(
-                        f"job {job.job_id} step {seq} failed; the job must be submitted again. Cause: {cause}"
-                    ) from None
+                    raise self.lifecycle.step_failed(job, seq, cause) from None
                 job.broken = cause
             except (NotEnoughWorkers, InvalidInput) as e:
-                self._fail(job, f"auto_resume could not restore the job: {e}")
+                self.lifecycle.fail(job, f"auto_resume could not restore the job: {e}")
                 raise JobFailed(f"job {job.job_id}: {job.error}") from None
-        self._fail(job, f"auto_resume gave up after {self.MAX_RESTORES} restores; last cause: {job.broken}")
+        self.lifecycle.fail(job, f"auto_resume gave up after {self.MAX_RESTORES} restores; last cause: {job.broken}")
         raise JobFailed(f"job {job.job_id}: {job.error}")
 
-    def _run_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str) -> list:
-        pending = self._dispatch_step(job, seq, request, mode)
-        try:
-            return pending.replies()
-        finally:
-            self.gate.leave(job.job_id)
-
-    def _checkpoint(self, job: Job) -> None:
-        self._save(job, job.compiled.request.config.checkpoint_path)
-        job.journal.clear()
-
-    def _restore_broken(self, job: Job) -> None:
+    def _restore(self, job: Job) -> None:
         """Steps 1-4 of the module's docstring; raises DispatchError if a worker fails meanwhile."""
         started, cause = time.monotonic(), job.broken
         job.broken = ""  # a worker dying from here on breaks the job again
         log.warning("job %s: restoring it from its checkpoint (%s)", job.job_id, cause)
         lost = [w.worker_id for w in job.workers if not w.alive]
-        self._unload(job, wait=True)
-        cfg, topo = job.compiled.request.config, job.compiled.topology
-        with self._lock:
-            job.state = JobState.LOADING
-            workers = self._place(topo.workers, cfg.device, job.islands, cfg.exclusive)
-            job.move_to(workers)
-            for w in workers:
-                w.jobs.add(job.job_id)
-        self._load(job, cfg.checkpoint_path)
+        self.lifecycle.unload(job, wait=True)
+        self.lifecycle.place_again(job)
+        self.loader.load(job, job.compiled.request.config.checkpoint_path)
         job.state = JobState.READY
         drift = 0.0  # the largest relative difference between a replayed loss and the first one
         for seq, request, loss in job.journal:
-            reply = self._step_reply(job, seq, self._run_step(job, seq, request, "train"))
+            reply = self.gang.step_reply(job, seq, self.gang.run_step(job, seq, request, "train"))
             job.steps += 1
             drift = max(drift, abs(reply.loss - loss) / max(abs(loss), 1e-12))
         record = {

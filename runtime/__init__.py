@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 # does not pay for importing torch.
 _EXPORTS = {
     "Client": "atoll.client.client",
-    "Job": "atoll.client.client",
-    "StepFuture": "atoll.client.client",
-    "StepResult": "atoll.client.client",
+    "Job": "atoll.client.job",
+    "StepFuture": "atoll.client.job",
+    "StepResult": "atoll.client.job",
     "connect": "atoll.client.client",
     "LocalCluster": "atoll.client.local",
     "ClusterStatus": "atoll.client.plan",
@@ -56,7 +56,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from atoll.client.client import Client, Job, StepFuture, StepResult, connect
+    from atoll.client.client import Client, connect
+    from atoll.client.job import Job, StepFuture, StepResult
     from atoll.client.local import LocalCluster
     from atoll.client.plan import ClusterStatus, Plan
     from atoll.client.program import Program, Value

@@ -14,6 +14,7 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll.client.export import export_pipeline
 from atoll.core.config import JobConfig
 from atoll.core.graphs import FORCE_WEIGHTS_ONLY_ENV, deserialize
+from atoll.core.mesh import Mesh
 from atoll.core.wire import spec_to_pb
 from atoll.net.auth import call_metadata
 from tests import models
@@ -227,8 +228,7 @@ def test_pickled_code_is_never_run(cluster4, client4, tmp_path, mlp_job, monkeyp
     )
     request = pb.LoadPlanRequest(
         job_id="evil",
-        rank=0,
-        world_size=1,
+        mesh=Mesh.of(pipeline=1).place(0).to_pb(),
         stages=[pb.StageProgram(stage=0, exported_program=program.model_program)],
     )
     with pytest.raises(grpc.RpcError) as err:

@@ -16,7 +16,7 @@ def small_pieces(monkeypatch):
 
 
 def _plan() -> pb.LoadPlanRequest:
-    request = pb.LoadPlanRequest(job_id="job1", rank=1, loss_program=b"L" * 500)
+    request = pb.LoadPlanRequest(job_id="job1", num_stages=3, loss_program=b"L" * 500)
     request.stages.add(stage=0, exported_program=b"a" * 300)
     request.stages.add(stage=1, exported_program=b"small")
     request.stages.add(stage=2, exported_program=b"c" * 1000)

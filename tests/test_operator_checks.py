@@ -104,7 +104,9 @@ def test_status_leaves_out_the_long_dead_and_the_long_failed_unless_asked_for_al
         for name in ("just-failed", "long-failed", "long-failed-too"):
             jobs[name].fail("test")
         jobs["long-failed"].failed_at = jobs["long-failed-too"].failed_at = now - 61
-        service._jobs.update(jobs)
+        with service.jobs.lock:
+            for job in jobs.values():
+                service.jobs.add(job)
 
         def shown(all: bool) -> tuple[set, set]:
             reply = service.Status(pb.StatusRequest(all=all), None)

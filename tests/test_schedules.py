@@ -4,17 +4,17 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from atoll.controller.compiler.lowering import lower
-from atoll.controller.compiler.schedules import build_schedule
+from atoll.controller.compiler.schedules import BUILDERS, build_schedule
 from atoll.controller.compiler.simulate import ScheduleError, simulate
 from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.dataflow import BATCH, Dataflow, Edge, Routes, TiedParameter
+from atoll.core.names import SCHEDULES
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 from tests.models import chain_routes
 
 SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
 
 def topology(schedule: str, ranks: int, microbatches: int) -> Topology:
@@ -274,3 +274,7 @@ def test_simulator_requires_reduce_grad_on_every_holder_of_a_tied_parameter():
     actions[2].remove(Action.parse("2REDUCE_GRAD"))
     with pytest.raises(ScheduleError, match="rank 0 blocks at action .*'0REDUCE_GRAD': rank 2 holds a tied param"):
         simulate(actions, topo, routes)
+
+
+def test_every_schedule_name_has_a_builder_and_no_builder_lacks_a_name():
+    assert tuple(BUILDERS) == SCHEDULES

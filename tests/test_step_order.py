@@ -32,7 +32,7 @@ def take_turns(service, job, seqs):
     def send(seq):
         with job.order:
             arrived.append(seq)
-            service._await_turn(job, seq)
+            service.stepper.await_turn(job, seq)
             went.append(seq)
             job.next_seq = seq + 1
             job.order.notify_all()
@@ -54,9 +54,9 @@ def test_steps_go_out_in_the_clients_order(service):
 
 
 def test_a_lost_step_number_is_skipped(service):
-    service.STEP_ORDER_TIMEOUT_S = 0.2
+    service.stepper.STEP_ORDER_TIMEOUT_S = 0.2
     job = _Job()
     assert take_turns(service, job, [1, 3]) == [1, 3]
     with pytest.raises(InvalidInput, match=r"step number 2 is already used \(3 steps have gone out\)"):
         with job.order:
-            service._await_turn(job, 2)
+            service.stepper.await_turn(job, 2)

@@ -10,7 +10,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from atoll.client.export import export_pipeline
-from atoll.controller.compiler.parallel.tensor import _view_dim, shard_stage
+from atoll.controller.compiler.parallel.tensor import shard_stage
+from atoll.controller.compiler.parallel.tensor.propagate import _view_dim
 from atoll.controller.compiler.simulate import ScheduleError, check_islands, island_order
 from atoll.controller.compiler.split import split_model
 from atoll.core import collectives

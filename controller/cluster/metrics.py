@@ -27,7 +27,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from atoll.core.actions import STEP_MODES
+from atoll.core.names import STEP_MODES
 from atoll.errors import WorkerUnavailable
 from atoll.net import address as _address
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from atoll.core.actions import STEP_MODES, Action, Kind
+from atoll.core.actions import Action
 from atoll.core.dataflow import Routes
 
 
@@ -44,31 +44,28 @@ def predict_rank(
     mode: str = "train",
     island: dict[int, tuple[int, int, int]] | None = None,
 ) -> dict[str, int]:
-    runs = STEP_MODES[mode]
     sent = received = all_reduced = island_reduced = 0
     last = routes.flow.num_stages - 1
     island = island or {}
     for a in actions:
-        if runs is not None and a.kind not in runs:
+        if not a.kind.runs_in(mode):
             continue
-        s = a.stage
+        s, kind = a.stage, a.kind
         forward, backward, loss = island.get(s, (0, 0, 0))
-        if a.kind is Kind.FORWARD:
+        if kind.category == "compute" and kind.direction == "forward":
             island_reduced += forward + (loss if s == last and mode != "forward" else 0)
-        elif a.kind is Kind.BACKWARD:
+        elif kind.category == "compute":
             island_reduced += backward
-        elif a.kind is Kind.RECV_F:
-            received += _bytes(routes.recv_f_specs(s))
-        elif a.kind is Kind.RECV_B:
-            received += _bytes(routes.recv_b_specs(s))
-        elif a.kind is Kind.SEND_F:
+        elif kind.category == "recv":
+            received += _bytes(routes.recv_f_specs(s) if kind.direction == "forward" else routes.recv_b_specs(s))
+        elif kind.category == "send" and kind.direction == "forward":
             sent += sum(_bytes(e.spec.tensors) for _, e in routes.remote_out(s))
-        elif a.kind is Kind.SEND_B:
+        elif kind.category == "send":
             sent += sum(_bytes(e.grad_specs) for _, e in routes.remote_in(s))
-        elif a.kind is Kind.REDUCE_GRAD:  # each holder's sum goes to every other holder
+        elif kind.group == "tied":  # each holder's sum goes to every other holder
             tied = _bytes(routes.tied_recv_specs(rank))
             sent, received = sent + tied, received + tied
-        elif a.kind is Kind.ALL_REDUCE_GRAD:
+        elif kind.group == "replicas":
             elements = sum(p.numel() for p in params)
             if zero_shards > 1:  # the flat buffer, padded to equal shards (runtime/worker/executor/zero.py)
                 elements = math.ceil(elements / zero_shards) * zero_shards

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from atoll.controller.compiler.schedules import Schedule
 from atoll.controller.compiler.topology import Topology
-from atoll.core.actions import Action, Kind
+from atoll.core.actions import Action, ActionSpec, Kind, paired
 from atoll.core.dataflow import Routes
 
 
@@ -30,23 +30,21 @@ class Lowered:
     """Per rank: the full action list of one step."""
     recv_slots: dict[int, dict[Action, int]]
     """Per rank: which receive buffer slot each RECV action fills."""
-    slot_owner: dict[int, dict[int, tuple[int, Kind]]]
+    slot_owner: dict[int, dict[int, tuple[int, ActionSpec]]]
     """Per rank: slot -> (stage, RECV_F or RECV_B), i.e. which edge spec sizes the slot."""
 
 
 def _recv_of(c: Action, routes: Routes) -> Action | None:
-    if c.kind is Kind.FORWARD and routes.needs_recv_f(c.stage):
-        return Action(c.stage, Kind.RECV_F, c.microbatch)
-    if c.kind is Kind.BACKWARD and routes.needs_recv_b(c.stage):
-        return Action(c.stage, Kind.RECV_B, c.microbatch)
+    forward = c.kind.direction == "forward"
+    if routes.needs_recv_f(c.stage) if forward else routes.needs_recv_b(c.stage):
+        return Action(c.stage, paired(c.kind, "recv"), c.microbatch)
     return None
 
 
 def _sends_of(c: Action, routes: Routes) -> list[Action]:
-    if c.kind is Kind.FORWARD and routes.sends_f(c.stage):
-        return [Action(c.stage, Kind.SEND_F, c.microbatch)]
-    if c.kind is Kind.BACKWARD and routes.sends_b(c.stage):
-        return [Action(c.stage, Kind.SEND_B, c.microbatch)]
+    forward = c.kind.direction == "forward"
+    if routes.sends_f(c.stage) if forward else routes.sends_b(c.stage):
+        return [Action(c.stage, paired(c.kind, "send"), c.microbatch)]
     return []
 
 
@@ -73,15 +71,15 @@ def lower(schedule: Schedule, topo: Topology, routes: Routes) -> Lowered:
     return Lowered(actions, recv_slots, slot_owner)
 
 
-def _assign_slots(actions: list[Action]) -> tuple[dict[Action, int], dict[int, tuple[int, Kind]]]:
+def _assign_slots(actions: list[Action]) -> tuple[dict[Action, int], dict[int, tuple[int, ActionSpec]]]:
     """Give each RECV the lowest free slot of its (stage, direction) pool; a slot frees up after
     the backward of its microbatch, since the received tensor is part of that autograd graph."""
-    free: dict[tuple[int, Kind], list[int]] = {}
+    free: dict[tuple[int, ActionSpec], list[int]] = {}
     held: dict[tuple[int, int], list[int]] = {}
     assignment: dict[Action, int] = {}
-    owner: dict[int, tuple[int, Kind]] = {}
+    owner: dict[int, tuple[int, ActionSpec]] = {}
     for a in actions:
-        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+        if a.kind.category == "recv":
             pool = free.setdefault((a.stage, a.kind), [])
             if pool:
                 slot = pool.pop(0)
@@ -90,7 +88,7 @@ def _assign_slots(actions: list[Action]) -> tuple[dict[Action, int], dict[int, t
                 owner[slot] = (a.stage, a.kind)
             assignment[a] = slot
             held.setdefault((a.stage, a.microbatch), []).append(slot)
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.memory == "release":  # the backward that frees its microbatch's receives
             for slot in held.pop((a.stage, a.microbatch), []):
                 free[owner[slot]].append(slot)
                 free[owner[slot]].sort()

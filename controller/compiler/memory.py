@@ -19,7 +19,6 @@ import torch.utils._pytree as pytree
 from atoll.controller.compiler.lowering import Lowered
 from atoll.controller.compiler.program import fake_inputs, fake_mode
 from atoll.controller.compiler.topology import Topology
-from atoll.core.actions import Kind
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten, on_device
 from atoll.core.memory import MemorySnapshot, SavedTensors, storage_key
@@ -114,11 +113,11 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
         peak_stashed = max(peak_stashed, stashed)
 
     for a in actions:
-        if a.kind is Kind.FORWARD:
+        if a.kind.memory == "stash":
             activations += stage_memory[a.stage].stashed_bytes
             stashed += 1
             observe()
-        elif a.kind is Kind.BACKWARD:
+        elif a.kind.memory == "release":
             mem = stage_memory[a.stage]
             if mem.recomputed_bytes:
                 activations += mem.recomputed_bytes
@@ -128,7 +127,7 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
             stashed -= 1
             stages_with_grads.add(a.stage)
             observe()
-        elif a.kind is Kind.STEP:
+        elif a.kind.memory == "observe":
             observe()
     return RankMemory(peak, peak_stashed)
 
@@ -137,7 +136,7 @@ def buffer_bytes(lowered: Lowered, rank: int, routes: Routes) -> int:
     """Receive slots (sized by what their RECV fills) and REDUCE_GRAD's receive buffers."""
     total = 0
     for stage, kind in lowered.slot_owner[rank].values():
-        specs = routes.recv_f_specs(stage) if kind is Kind.RECV_F else routes.recv_b_specs(stage)
+        specs = routes.recv_f_specs(stage) if kind.direction == "forward" else routes.recv_b_specs(stage)
         total += sum(t.nbytes for t in specs)
     return total + sum(t.nbytes for t in routes.tied_recv_specs(rank))
 

@@ -72,12 +72,15 @@ def _interleaved_rank(topo: Topology, r: int) -> list[Action]:
     return ops
 
 
-SCHEDULES: dict[str, Callable[[Topology], Schedule]] = {
+BUILDERS: dict[str, Callable[[Topology], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
 }
 
 
+"""One per name of atoll.core.config.SCHEDULES, the one list of them (tests/test_schedules.py holds the two alike)."""
+
+
 def build_schedule(topo: Topology) -> Schedule:
-    return SCHEDULES[topo.schedule](topo)
+    return BUILDERS[topo.schedule](topo)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll.controller.compiler.topology import Topology
-from atoll.core.actions import PER_STEP, Action, Kind
+from atoll.core.actions import Action, Kind, paired
 from atoll.core.dataflow import Routes
 from atoll.errors import InvalidInput
 
@@ -61,32 +61,36 @@ class Timeline:
 
 
 def default_durations(action: Action) -> float:
-    """Backward costs about twice the forward (it computes input and weight gradients)."""
-    return {Kind.FORWARD: 1.0, Kind.BACKWARD: 2.0}.get(action.kind, 0.0)
+    """Each kind's declared cost (atoll.core.actions)."""
+    return action.kind.cost
 
 
-def _recv_kind(a: Action) -> Kind:
-    return Kind.RECV_F if a.kind is Kind.FORWARD else Kind.RECV_B
+def _recv_of(a: Action) -> Action:
+    return Action(a.stage, paired(a.kind, "recv"), a.microbatch)
 
 
 def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
     """What compute ``a`` consumes: (computes on this rank it takes over a local hand-off,
-    peers' SENDs whose data it receives)."""
-    s, m = a.stage, a.microbatch
-    if a.kind is Kind.FORWARD:
-        local = [Action(e.src, Kind.FORWARD, m) for _, e in routes.local_in(s)]
-        remote = [Action(e.src, Kind.SEND_F, m) for _, e in routes.remote_in(s)]
+    peers' SENDs whose data it receives). Forward data flows along the edges, gradients against them."""
+    s, m, send = a.stage, a.microbatch, paired(a.kind, "send")
+    if a.kind.direction == "forward":
+        local = [Action(e.src, a.kind, m) for _, e in routes.local_in(s)]
+        remote = [Action(e.src, send, m) for _, e in routes.remote_in(s)]
     else:
-        local = [Action(e.dst, Kind.BACKWARD, m) for _, e in routes.local_out(s) if e.differentiable]
-        remote = [Action(e.dst, Kind.SEND_B, m) for _, e in routes.remote_out(s) if e.differentiable]
+        local = [Action(e.dst, a.kind, m) for _, e in routes.local_out(s) if e.differentiable]
+        remote = [Action(e.dst, send, m) for _, e in routes.remote_out(s) if e.differentiable]
     return list(dict.fromkeys(local)), list(dict.fromkeys(remote))
 
 
 def matching_recvs(send: Action, routes: Routes) -> list[Action]:
-    s, m = send.stage, send.microbatch
-    if send.kind is Kind.SEND_F:
-        return list(dict.fromkeys(Action(e.dst, Kind.RECV_F, m) for _, e in routes.remote_out(s)))
-    return list(dict.fromkeys(Action(e.src, Kind.RECV_B, m) for _, e in routes.remote_in(s) if e.differentiable))
+    s, m, recv = send.stage, send.microbatch, paired(send.kind, "recv")
+    if send.kind.direction == "forward":
+        return list(dict.fromkeys(Action(e.dst, recv, m) for _, e in routes.remote_out(s)))
+    return list(dict.fromkeys(Action(e.src, recv, m) for _, e in routes.remote_in(s) if e.differentiable))
+
+
+def _meets_tied(a: Action) -> bool:
+    return a.kind.group == "tied"
 
 
 def simulate(
@@ -101,50 +105,51 @@ def simulate(
     posted: dict[Action, float] = {}  # RECV actions -> time posted
     consumed: set[Action] = set()
     spans: dict[int, list[Span]] = {r: [] for r in actions}
-    reduce_at = {
-        r: next((i for i, a in enumerate(acts) if a.kind is Kind.REDUCE_GRAD), None) for r, acts in actions.items()
-    }
+    reduce_at = {r: next((i for i, a in enumerate(acts) if _meets_tied(a)), None) for r, acts in actions.items()}
     reduced: dict[int, float] = {}  # rank -> time its REDUCE_GRAD finished
 
     def blocker(rank: int, a: Action) -> str | None:
         """Why ``a`` cannot run yet, or None when it can."""
-        if a.kind not in PER_STEP and topo.rank_of(a.stage) != rank:
+        category = a.kind.category
+        if not a.kind.per_step and topo.rank_of(a.stage) != rank:
             return f"stage {a.stage} does not live on rank {rank}"
-        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+        if category == "local":
+            return None
+        if category == "recv":
             return f"{a} is posted twice" if a in posted else None
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+        if category == "compute":
             if a in done:
                 return f"{a} runs twice"
-            if a.kind is Kind.BACKWARD and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
+            if a.kind.direction == "backward" and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
                 return f"waits for {a.stage}F{a.microbatch}, not yet run on this rank"
             local, remote = _inputs(a, routes)
             for producer in local:
                 if producer not in done:
                     return f"waits for {producer}, not yet run on this rank"
             if remote:
-                recv = Action(a.stage, _recv_kind(a), a.microbatch)
+                recv = _recv_of(a)
                 if recv not in posted:
                     return f"its receive {recv} is not posted before it"
                 for send in remote:
                     if send not in done:
                         return f"waits for {send} on rank {topo.rank_of(send.stage)}"
             return None
-        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+        if category == "send":
             if a in done:
                 return f"{a} is sent twice"
-            source = Action(a.stage, Kind.FORWARD if a.kind is Kind.SEND_F else Kind.BACKWARD, a.microbatch)
+            source = Action(a.stage, paired(a.kind, "compute"), a.microbatch)
             return None if source in done else f"sends the result of {source}, which has not run"
-        if a.kind is Kind.REDUCE_GRAD:  # a collective of the ranks holding tied parameters
+        if _meets_tied(a):  # a collective of the ranks holding tied parameters
             for peer in sorted(routes.tied_peers(rank)):
                 if reduce_at.get(peer) is None:
-                    return f"rank {peer} holds a tied parameter but runs no REDUCE_GRAD"
+                    return f"rank {peer} holds a tied parameter but runs no {a.kind.code}"
                 if pos[peer] < reduce_at[peer]:
-                    return f"waits for rank {peer} to reach its REDUCE_GRAD"
+                    return f"waits for rank {peer} to reach its {a.kind.code}"
             return None
-        if a.kind is Kind.ALL_REDUCE_GRAD:  # with the same rank of every replica, whose lists are this one
+        if category == "collective":  # with the same rank of every replica, whose lists are this one
             return None
-        # STEP: every send of this rank must have been received by its peer
-        for s in (x for x in actions[rank][: pos[rank]] if x.kind in (Kind.SEND_F, Kind.SEND_B)):
+        # the step: every send of this rank must have been received by its peer
+        for s in (x for x in actions[rank][: pos[rank]] if x.kind.category == "send"):
             for recv in matching_recvs(s, routes):
                 if recv not in posted:
                     return f"its send {s} has no receive posted by rank {topo.rank_of(recv.stage)}"
@@ -152,24 +157,24 @@ def simulate(
 
     def run(rank: int, a: Action) -> None:
         start = clock[rank]
-        if a.kind in (Kind.FORWARD, Kind.BACKWARD):
+        if a.is_compute:
             local, remote = _inputs(a, routes)
             start = max([start, *(done[x] for x in local + remote)])
             if remote:
-                consumed.add(Action(a.stage, _recv_kind(a), a.microbatch))
+                consumed.add(_recv_of(a))
             end = start + durations(a)
             spans[rank].append(Span(start, end, a))
             done[a] = end
         else:
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            if a.kind.category == "recv":
                 posted[a], end = start, start + durations(a)
-            elif a.kind is Kind.REDUCE_GRAD:
+            elif _meets_tied(a):
                 peers = routes.tied_peers(rank)
                 start = max([start, *(reduced.get(p, clock[p]) for p in peers)])
                 end = reduced[rank] = start + durations(a)
             else:
                 end = start + durations(a)
-                if a.kind is not Kind.STEP:
+                if a.kind.category != "step":
                     done[a] = end
             if end > start:  # the default durations give data-plane actions none
                 spans[rank].append(Span(start, end, a))
@@ -201,7 +206,7 @@ def simulate(
 def _check_complete(actions, topo, routes, done, posted, consumed) -> None:
     problems = []
     for rank, acts in actions.items():
-        if routes.reduces_on(rank) and not any(a.kind is Kind.REDUCE_GRAD for a in acts):
+        if routes.reduces_on(rank) and not any(_meets_tied(a) for a in acts):
             problems.append(f"rank {rank} holds a tied parameter but never runs REDUCE_GRAD")
     for s in range(topo.num_stages):
         for m in range(topo.microbatches):
@@ -221,9 +226,9 @@ def island_order(actions: list[Action], collectives: dict[int, dict[str, list[di
     out = []
     for a in actions:
         found = collectives.get(a.stage)
-        if found is None or a.kind not in (Kind.FORWARD, Kind.BACKWARD):
+        if found is None or not a.is_compute:
             continue
-        parts = ["forward", "loss_forward"] if a.kind is Kind.FORWARD else ["backward"]
+        parts = ["forward", "loss_forward"] if a.kind.direction == "forward" else ["backward"]
         if a.stage != last_stage:
             parts = [p for p in parts if p != "loss_forward"]
         for part in parts:

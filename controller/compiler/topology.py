@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atoll.core.mesh import Mesh
+from atoll.core.names import SCHEDULES
 from atoll.errors import InvalidInput
-
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,7 +21,7 @@ class Topology:
     microbatches: int
     """Microbatches per step."""
     schedule: str = "gpipe"
-    """One of SCHEDULE_NAMES."""
+    """One of SCHEDULES."""
     data_parallel: int = 1
     """Replicas of the pipeline."""
     tensor_parallel: int = 1
@@ -30,8 +30,8 @@ class Topology:
     island's workers are neighbours in placement order (same host first), as in Megatron-LM."""
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULE_NAMES:
-            raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULE_NAMES)})")
+        if self.schedule not in SCHEDULES:
+            raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         for name in ("ranks", "virtual_stages", "microbatches", "data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -52,13 +52,18 @@ class Topology:
     def workers(self) -> int:
         return self.ranks * self.tensor_parallel * self.data_parallel
 
+    @property
+    def mesh(self) -> Mesh:
+        """The workers as named dimensions (atoll.core.mesh): what each worker's plan carries."""
+        return Mesh.of(data=self.data_parallel, pipeline=self.ranks, tensor=self.tensor_parallel)
+
     def worker(self, replica: int, rank: int, tp: int = 0) -> int:
-        return (replica * self.ranks + rank) * self.tensor_parallel + tp
+        return self.mesh.worker(data=replica, pipeline=rank, tensor=tp)
 
     def coordinates(self, worker: int) -> tuple[int, int, int]:
         """(replica, pipeline rank, rank in the island) of a worker index."""
-        copy, tp = divmod(worker, self.tensor_parallel)
-        return (*divmod(copy, self.ranks), tp)
+        at = self.mesh.coordinates(worker)
+        return at["data"], at["pipeline"], at["tensor"]
 
     def pipeline_workers(self, replica: int, tp: int) -> list[int]:
         """The workers forming one chain of the pipeline: island rank ``tp`` of every stage of a replica."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.compiler.pipeline import CompiledPipeline
 from atoll.controller.compiler.simulate import Timeline, matching_recvs, simulate
-from atoll.core.actions import COMPUTE, Action, Kind
+from atoll.core.actions import Action, ActionSpec
 
 MEASURED_PID, PREDICTED_PID = 1, 2
 
@@ -118,7 +118,7 @@ def _window(spans: Sequence[pb.ActionSpan]) -> tuple[float, float] | None:
 def simulated_bubbles(timeline: Timeline) -> dict[int, float]:
     """Per pipeline rank: the share of the simulated compute window the rank spends outside its
     actions (the measured bubble's definition, applied to the simulation)."""
-    computes = [s for spans in timeline.spans.values() for s in spans if s.action.kind in COMPUTE]
+    computes = [s for spans in timeline.spans.values() for s in spans if s.action.is_compute]
     if not computes:
         return {r: 0.0 for r in timeline.spans}
     window = (min(s.start for s in computes), max(s.end for s in computes))
@@ -131,8 +131,8 @@ def simulated_bubbles(timeline: Timeline) -> dict[int, float]:
 def measured_costs(steps: Sequence[dict[int, list[pb.ActionSpan]]]) -> Callable[[Action], float]:
     """Each action's mean measured duration (less the waits inside it) by stage and kind, over
     ``steps``: durations for the simulator (controller/compiler/simulate.py)."""
-    total: dict[tuple[int, Kind], float] = defaultdict(float)
-    count: dict[tuple[int, Kind], int] = defaultdict(int)
+    total: dict[tuple[int, ActionSpec], float] = defaultdict(float)
+    count: dict[tuple[int, ActionSpec], int] = defaultdict(int)
     for spans_of in steps:
         for spans in spans_of.values():
             for span, waits in _actions(spans):

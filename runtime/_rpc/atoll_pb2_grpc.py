@@ -166,7 +166,7 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """a client renews the lease of its jobs (controller/leases.py)
+        """a client renews the lease of its jobs (controller/cluster/leases.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,14 +209,14 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rendezvous(self, request, context):
-        """where data-plane groups meet (controller/rendezvous.py)
+        """where data-plane groups meet (controller/cluster/rendezvous.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Chunked(self, request_iterator, context):
-        """SubmitPipeline, GetState in pieces (atoll._chunked)
+        """SubmitPipeline, GetState in pieces (atoll.net.chunked)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,7 +230,7 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTimeline(self, request, context):
-        """measured and predicted timelines (controller/trace.py)
+        """measured and predicted timelines (controller/compiler/trace.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -938,7 +938,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunStepGroup(self, request, context):
-        """relayed dispatch (runtime/_relay.py)
+        """relayed dispatch (runtime/net/relay.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -993,7 +993,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Chunked(self, request_iterator, context):
-        """LoadPlan, GetState in pieces (atoll._chunked)
+        """LoadPlan, GetState in pieces (atoll.net.chunked)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 _ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
 
@@ -118,6 +118,17 @@ class Plan:
     __str__ = render
 
 
+def _from_pb(view, message, **given):
+    """A status view from its message: every field of the view not ``given`` is the message's field
+    of the same name (a repeated one as a tuple), so no field is listed twice."""
+    values = {}
+    for f in fields(view):
+        if f.name not in given:
+            value = getattr(message, f.name)
+            values[f.name] = tuple(value) if f.type.startswith("tuple") else value
+    return view(**values, **given)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerStatus:
     worker_id: str
@@ -175,42 +186,9 @@ class ClusterStatus:
     def from_pb(cls, reply) -> ClusterStatus:
         """From the controller's StatusReply."""
         return cls(
-            workers=tuple(
-                WorkerStatus(
-                    w.worker_id,
-                    w.address,
-                    w.device,
-                    w.host,
-                    w.alive,
-                    w.seconds_since_heartbeat,
-                    tuple(w.jobs),
-                    w.pid,
-                    w.island,
-                    rss_bytes=w.rss_bytes,
-                )
-                for w in reply.workers
-            ),
-            jobs=tuple(
-                JobStatus(
-                    j.job_id,
-                    j.name,
-                    j.state,
-                    tuple(j.workers),
-                    j.steps,
-                    j.schedule,
-                    j.stages,
-                    j.error,
-                    j.steps_per_s,
-                    j.exclusive,
-                    last_loss=j.last_loss if j.has_loss else None,
-                    predicted_peak_bytes=j.predicted_peak_bytes,
-                    measured_peak_bytes=j.measured_peak_bytes,
-                )
-                for j in reply.jobs
-            ),
-            queue=tuple(
-                QueuedRequest(q.name, q.ranks, q.device, tuple(q.islands), q.exclusive, q.waited_s) for q in reply.queue
-            ),
+            workers=tuple(_from_pb(WorkerStatus, w) for w in reply.workers),
+            jobs=tuple(_from_pb(JobStatus, j, last_loss=j.last_loss if j.has_loss else None) for j in reply.jobs),
+            queue=tuple(_from_pb(QueuedRequest, q) for q in reply.queue),
         )
 
     def islands(self) -> dict[str, list[WorkerStatus]]:

@@ -101,9 +101,7 @@ def island_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _run(x, "sum")
 
 
-@island_all_reduce.register_fake
-def _(x):
-    return torch.empty_like(x)
+island_all_reduce.register_fake(torch.empty_like)
 
 
 island_all_reduce.register_autograd(lambda ctx, grad: grad)
@@ -116,9 +114,7 @@ def island_copy(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-@island_copy.register_fake
-def _(x):
-    return torch.empty_like(x)
+island_copy.register_fake(torch.empty_like)
 
 
 island_copy.register_autograd(lambda ctx, grad: island_all_reduce(grad))
@@ -130,9 +126,7 @@ def island_max(x: torch.Tensor) -> torch.Tensor:
     return _run(x, "max")
 
 
-@island_max.register_fake
-def _(x):
-    return torch.empty_like(x)
+island_max.register_fake(torch.empty_like)
 
 
 def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:

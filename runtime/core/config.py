@@ -14,8 +14,6 @@ from google.protobuf import json_format
 from atoll._rpc import atoll_pb2 as pb
 from atoll.errors import InvalidInput
 
-DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JobConfig:
@@ -114,3 +112,56 @@ class JobConfig:
             if value:
                 values[f.name] = value
         return JobConfig(**values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSettings:
+    """What a worker's executor needs of its job's settings, and nothing more: its layout (the
+    degrees of parallelism, its coordinates, its groups) comes in the plan's mesh (atoll.core.mesh),
+    so a worker never reads the user's configuration."""
+
+    microbatches: int
+    optimizer: str
+    optimizer_args: dict
+    rematerialize: bool
+    zero: bool
+    """ZeRO-1: this replica steps its shard of the flat parameters."""
+    data_plane_timeout_s: float
+
+    @staticmethod
+    def of(cfg: JobConfig) -> WorkerSettings:
+        return WorkerSettings(
+            microbatches=cfg.microbatches,
+            optimizer=cfg.optimizer,
+            optimizer_args=dict(cfg.optimizer_args),
+            rematerialize=cfg.rematerialize,
+            zero=cfg.zero == 1,
+            data_plane_timeout_s=cfg.data_plane_timeout_s,
+        )
+
+    def to_pb(self) -> pb.WorkerSettings:
+        msg = pb.WorkerSettings(
+            microbatches=self.microbatches,
+            optimizer=self.optimizer,
+            rematerialize=self.rematerialize,
+            zero=self.zero,
+            data_plane_timeout_s=self.data_plane_timeout_s,
+        )
+        json_format.ParseDict(self.optimizer_args, msg.optimizer_args)
+        return msg
+
+    @staticmethod
+    def from_pb(msg: pb.WorkerSettings) -> WorkerSettings:
+        if msg.microbatches < 1 or not msg.data_plane_timeout_s > 0:
+            raise InvalidInput(
+                f"plan's settings: microbatches {msg.microbatches} and data_plane_timeout_s "
+                f"{msg.data_plane_timeout_s} must be positive"
+            )
+        return WorkerSettings(
+            microbatches=msg.microbatches,
+            optimizer=msg.optimizer,
+            optimizer_args=json_format.MessageToDict(msg.optimizer_args),
+            rematerialize=msg.rematerialize,
+            zero=msg.zero,
+            data_plane_timeout_s=msg.data_plane_timeout_s,
+        )

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll._rpc import atoll_pb2 as pb
+
 
 @dataclass(frozen=True, slots=True)
 class ParamShard:
@@ -36,3 +38,12 @@ class ParamShard:
     @staticmethod
     def from_json(data: dict) -> ParamShard:
         return ParamShard(int(data["dim"]), tuple(int(b) for b in data["blocks"]))
+
+    def to_pb(self, name: str) -> pb.ParamCut:
+        return pb.ParamCut(name=name, dim=self.dim, blocks=self.blocks)
+
+    @staticmethod
+    def from_pb(msg: pb.ParamCut) -> ParamShard:
+        if msg.dim < 0 or not msg.blocks or any(b < 1 for b in msg.blocks):
+            raise ValueError(f"malformed cut of {msg.name}: dim {msg.dim}, blocks {list(msg.blocks)}")
+        return ParamShard(msg.dim, tuple(msg.blocks))

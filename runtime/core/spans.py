@@ -1,6 +1,8 @@
 """What a worker records of each step it runs: one span per action of its list, and one per wait
-on the data plane inside an action, on the worker's wall clock. The controller gathers them into
-timelines (controller/compiler/trace.py); the executor keeps the last ``KEPT_STEPS`` steps.
+on the data plane inside an action, on the worker's wall clock. An action's span is in its kind's
+category (``ActionSpec.category``: compute, send, recv, collective, step, local). The controller
+gathers them into timelines (controller/compiler/trace.py); the executor keeps the last
+``KEPT_STEPS`` steps.
 
 Each action also runs inside a ``torch.profiler.record_function`` range named ``atoll <action>``,
 so a user's own torch profiler trace shows where the runtime's actions begin and end.
@@ -12,22 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.core.actions import Kind
 
 KEPT_STEPS = 64
 """Steps whose spans a worker keeps per job (a few hundred bytes per action)."""
 
-CATEGORY = {
-    Kind.FORWARD: "compute",
-    Kind.BACKWARD: "compute",
-    Kind.SEND_F: "send",
-    Kind.SEND_B: "send",
-    Kind.RECV_F: "recv",
-    Kind.RECV_B: "recv",
-    Kind.REDUCE_GRAD: "collective",
-    Kind.ALL_REDUCE_GRAD: "collective",
-    Kind.STEP: "step",
-}
 WAIT = "wait"
 """A wait on the data plane: ``wait <RECV action>`` inside the compute that takes a receive,
 ``wait sends`` where the step waits for its sends to be taken."""

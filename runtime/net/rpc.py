@@ -139,6 +139,16 @@ def rpc_stream_handler(method):
     return wrapped
 
 
+def chunked_method(service: str):
+    """The ``Chunked`` RPC of a servicer of ``service``: calls of any size in pieces (atoll.net.chunked)."""
+
+    @rpc_stream_handler
+    def Chunked(self, request_iterator, context):
+        yield from chunked.serve(self, service, request_iterator, context)
+
+    return Chunked
+
+
 def _service_of(stub_class) -> str:
     return stub_class.__name__.removesuffix("Stub")
 

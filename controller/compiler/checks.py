@@ -1,0 +1,43 @@
+"""The settings a job may not combine, refused before any pass runs, each with the reason."""
+
+from __future__ import annotations
+
+from atoll.core.config import JobConfig
+from atoll.core.names import DEVICE_KINDS, DISPATCH_MODES, TRANSPORTS
+from atoll.core.optim import validate_optimizer
+from atoll.errors import InvalidInput
+
+
+def check_config(cfg: JobConfig) -> None:
+    """Raises InvalidInput naming the first setting (or pair of settings) that cannot run."""
+    validate_optimizer(cfg.optimizer, cfg.optimizer_args)
+    if cfg.dispatch not in DISPATCH_MODES:
+        raise InvalidInput(f"dispatch must be one of {', '.join(DISPATCH_MODES)}; got {cfg.dispatch!r}")
+    if cfg.zero not in (0, 1):
+        raise InvalidInput(f"zero must be 0 or 1 (ZeRO stage 1), got {cfg.zero}")
+    if cfg.zero and cfg.data_parallel < 2:
+        raise InvalidInput("zero=1 shards the optimizer state across data-parallel replicas: needs data_parallel > 1")
+    if cfg.data_parallel > 1 and cfg.device != "cpu":
+        raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
+    if cfg.tensor_parallel > 1 and cfg.device != "cpu":
+        raise InvalidInput("tensor parallelism runs on CPU workers only (not built for CUDA yet)")
+    if cfg.tensor_parallel_plan and cfg.tensor_parallel == 1:
+        raise InvalidInput("tensor_parallel_plan names how to shard modules: it needs tensor_parallel > 1")
+    if cfg.sequence_parallel and cfg.tensor_parallel == 1:
+        raise InvalidInput(
+            "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
+        )
+    if cfg.auto_resume and not cfg.checkpoint_path:
+        raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")
+    if cfg.auto_resume and cfg.zero:
+        raise InvalidInput("auto_resume needs checkpoints, which ZeRO-1 jobs do not have yet")
+    if cfg.checkpoint_every < 1:
+        raise InvalidInput(f"checkpoint_every must be a positive number of steps, got {cfg.checkpoint_every}")
+    if not cfg.weight > 0:
+        raise InvalidInput(f"weight must be positive, got {cfg.weight}")
+    if not cfg.data_plane_timeout_s > 0:
+        raise InvalidInput(f"data_plane_timeout_s must be positive, got {cfg.data_plane_timeout_s}")
+    if cfg.device not in DEVICE_KINDS:
+        raise InvalidInput(f"unknown device kind {cfg.device!r} (known: {', '.join(DEVICE_KINDS)})")
+    if cfg.transport != "auto" and cfg.transport not in TRANSPORTS:
+        raise InvalidInput(f"unknown transport {cfg.transport!r} (known: auto, {', '.join(TRANSPORTS)})")

@@ -1,0 +1,149 @@
+"""Sending a job's ordered work to its workers in gang order: a step's batch fanned out to the
+workers that read it, their replies fanned back in to one StepReply, and the blame when one fails."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import grpc
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll.controller.cluster.dispatch import Call, Dispatcher, DispatchError
+from atoll.controller.cluster.fairness import FairGate
+from atoll.controller.cluster.registry import Registry
+from atoll.controller.jobs import GangScheduler, Job
+from atoll.controller.remote import RemoteValues
+from atoll.core.wire import join_rows, join_slices, shard_rows
+from atoll.errors import AtollError
+
+
+def _step_requests(job: Job, seq: int, request: pb.StepRequest, mode: str, input_refs, target_refs):
+    """Step ``seq``'s request per worker index (only for the workers that read the batch or hold
+    the last stage), and the request shared by all the others."""
+    topo = job.compiled.topology
+    readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
+    replicas = topo.data_parallel
+    common = pb.RunStepRequest(job_id=job.job_id, step=seq, mode=mode)
+    own = {}
+    for d in range(replicas):  # each replica reads its own rows of the batch
+        inputs = [shard_rows(t, d, replicas) for t in request.inputs]
+        targets = [shard_rows(t, d, replicas) for t in request.targets]
+        for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
+            own[topo.worker(d, r, tp)] = pb.RunStepRequest(
+                job_id=job.job_id,
+                step=seq,
+                inputs=inputs if r in readers else [],
+                targets=targets if r == last else [],
+                input_refs=input_refs if r in readers else [],
+                target_refs=target_refs if r == last else [],
+                input_ref_at=request.input_ref_at if r in readers else [],
+                target_ref_at=request.target_ref_at if r == last else [],
+                keep_outputs=request.keep_outputs and r == last,
+                mode=mode,
+            )
+    return own, common
+
+
+@dataclass(kw_only=True, eq=False)
+class Gang:
+    dispatcher: Dispatcher
+    registry: Registry
+    """Blame marks the workers that no longer answer dead."""
+    gate: FairGate
+    """A step enters it before its positions are taken (controller/cluster/fairness.py)."""
+    values: RemoteValues
+    """A step's remote values are sent with their holders' addresses; the outputs it keeps become values."""
+    step_timeout_s: float
+    order: GangScheduler = field(default_factory=GangScheduler, init=False)
+
+    PROBE_TIMEOUT_S: ClassVar[float] = 2.0
+
+    def dispatch(self, calls: list[Call], timeout_s: float, mode: str = "direct", common=None):
+        """Give each call its worker's next gang position and send them all, without waiting:
+        ``mode`` "direct", "relay" (a step through relaying workers; ``common`` is the request
+        shared by the ranks that have none of their own) or "sequential" (JobConfig.dispatch)."""
+        with self.order.positions() as take:
+            for call in calls:
+                call.gang_seq, call.gang_floor = take(call.worker.worker_id)
+            if mode == "direct":
+                pending = self.dispatcher.submit(calls, timeout_s)
+            elif mode == "relay":
+                pending = self.dispatcher.relay(calls, common, timeout_s)
+        if mode == "sequential":
+            pending = self.dispatcher.sequential(calls, timeout_s)
+        pending.on_end(lambda call: self.order.ended(call.worker.worker_id, call.gang_seq))
+        return pending
+
+    def send_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str):
+        """Send step ``seq`` to every worker of the job, in gang order; the caller waits for the
+        replies and then calls ``leave(job)``."""
+        input_refs = self.values.resolve(request.input_refs)
+        target_refs = self.values.resolve(request.target_refs)
+        own, common = _step_requests(job, seq, request, mode, input_refs, target_refs)
+        calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
+        # fair between jobs sharing workers (controller/cluster/fairness.py), then in gang order
+        self.gate.enter(job.job_id, job.worker_ids, job.weight)
+        try:
+            return self.dispatch(calls, self.step_timeout_s, job.dispatch_mode, common)
+        except BaseException:
+            self.leave(job)
+            raise
+
+    def leave(self, job: Job) -> None:
+        """A step sent by ``send_step`` has ended: the next one of another job may enter the gate."""
+        self.gate.leave(job.job_id)
+
+    def run_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str) -> list:
+        """Send step ``seq`` and wait for its replies (in worker order)."""
+        pending = self.send_step(job, seq, request, mode)
+        try:
+            return pending.replies()
+        finally:
+            self.leave(job)
+
+    def step_reply(self, job: Job, seq: int, replies: list) -> pb.StepReply:
+        """The client's reply to step ``seq``, from its workers' replies."""
+        topo = job.compiled.topology
+        last = topo.rank_of(topo.num_stages - 1)
+        lasts = [replies[topo.worker(d, last)] for d in range(topo.data_parallel)]
+        losses = [loss for reply in lasts for loss in reply.microbatch_losses]  # replica by replica
+        outputs = [reply.outputs for reply in lasts]
+        if job.compiled.output_dims and lasts[0].outputs:  # each island rank holds a slice of the logits
+            dims = job.compiled.output_dims
+            outputs = [
+                join_slices([replies[topo.worker(d, last, tp)].outputs for tp in range(topo.tensor_parallel)], dims)
+                for d in range(topo.data_parallel)
+            ]
+        # each worker's accounting is JSON already: joined, not parsed (a job may have many workers)
+        memory = ", ".join(f'"{r}": {rep.memory_json or "{}"}' for r, rep in enumerate(replies))
+        return pb.StepReply(
+            loss=sum(losses) / len(losses) if losses else 0.0,
+            microbatch_losses=losses,
+            step=seq,
+            memory_json="{" + memory + "}",
+            outputs=join_rows(outputs),
+            kept_outputs=[self.values.kept(job.workers[last], k) for k in replies[last].kept_outputs],
+        )
+
+    def blame(self, job: Job, error: DispatchError) -> str:
+        """Name the cause of a failed step. When a worker dies, its peers' data-plane receives
+        often fail before the controller hears anything from (or about) the dead one, so the
+        first error to arrive is a survivor's. Ping every worker of the job: the unreachable
+        ones are marked dead and named first, so the caller learns which worker to look at."""
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.registry.mark_dead(error.worker, f"unreachable during a step: {error.error}")
+        calls = [Call(w, "Ping", pb.Empty()) for w in job.workers if w is not error.worker and w.alive]
+        dead = []
+        for call, reply in zip(calls, self.dispatcher.each(calls, self.PROBE_TIMEOUT_S)):
+            if isinstance(reply, AtollError) and reply.code in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ):
+                self.registry.mark_dead(call.worker, f"unreachable after a failed step: {reply}")
+                dead.append(call.worker)
+        if not dead:
+            return str(error)
+        named = ", ".join(w.describe() for w in dead)
+        return f"{named} unreachable (did the worker die?); a peer reported: {error}"

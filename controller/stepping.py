@@ -1,0 +1,134 @@
+"""A client's step, from its arrival to its reply: its turn in the client's numbering, the checks
+of its batch against the job's specs, its dispatch, and what its end does to the job."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll.controller.cluster.dispatch import DispatchError
+from atoll.controller.cluster.metrics import ControllerMetrics
+from atoll.controller.gang import Gang
+from atoll.controller.jobs import Job, JobTable
+from atoll.controller.lifecycle import Lifecycle
+from atoll.controller.resume import AutoResume
+from atoll.controller.values import ValueTable
+from atoll.core.names import STEP_MODES
+from atoll.core.wire import EdgeSpec, interleave, spec_of_pb_tensor, tensor_spec_from_pb
+from atoll.errors import InvalidInput
+
+log = logging.getLogger("atoll.controller")
+
+
+def check_batch(spec: EdgeSpec, tensors, refs=(), refs_at=()) -> None:
+    """The step's tensors and remote values (at positions ``refs_at``) fit the edge's spec."""
+    remote = [tensor_spec_from_pb(r.spec, f"edge '{spec.name}'") for r in refs]
+    sent = [spec_of_pb_tensor(t) for t in tensors]
+    got = interleave(sent, remote, refs_at)
+    if tuple(got) != spec.tensors:
+        shown = ", ".join(map(str, got)) or "nothing"
+        which = "the remote values are" if refs and not tensors else "received"
+        raise InvalidInput(f"edge '{spec.name}': expected {spec}, {which} {shown}")
+    for t, s in zip(tensors, sent):
+        if len(t.data) != s.nbytes:
+            raise InvalidInput(f"edge '{spec.name}': {s} needs {s.nbytes} bytes, message carries {len(t.data)}")
+
+
+def check_step(job: Job, request: pb.StepRequest) -> str:
+    """The step's mode, once its batch matches the job's specs; raises InvalidInput otherwise."""
+    topo = job.compiled.topology
+    mode = request.mode or "train"
+    if mode not in STEP_MODES:
+        raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
+    input_refs, target_refs = request.input_refs, request.target_refs  # their holders: at dispatch
+    check_batch(job.compiled.request.input, request.inputs, input_refs, request.input_ref_at)
+    if mode == "forward":
+        if request.targets or target_refs:
+            raise InvalidInput("a forward step takes no target")
+    else:
+        check_batch(job.compiled.request.target, request.targets, target_refs, request.target_ref_at)
+    if request.keep_outputs and mode != "forward":
+        raise InvalidInput("only a forward step keeps its output on the workers")
+    if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
+        raise InvalidInput(
+            "a data- or tensor-parallel job takes and returns tensors, not remote values (not built yet)"
+        )
+    return mode
+
+
+@dataclass(kw_only=True, eq=False)
+class Stepper:
+    STEP_ORDER_TIMEOUT_S: ClassVar[float] = 30.0
+    """How long a step waits for the steps numbered before it to arrive (``await_turn``)."""
+
+    jobs: JobTable
+    gang: Gang
+    """Sends the step in gang order, fans its batch out and its replies in, and blames a failure."""
+    lifecycle: Lifecycle
+    """Fails the job whose step failed."""
+    resume: AutoResume
+    """Runs the steps of auto_resume jobs instead."""
+    values: ValueTable
+    """The remote values a step reads are held until it ends."""
+    metrics: ControllerMetrics
+
+    def step(self, request: pb.StepRequest) -> pb.StepReply:
+        reads: list[str] = []  # the remote values the step reads, once acquired
+        try:
+            return self._step(request, reads)
+        finally:
+            self.values.release(reads)
+
+    def _step(self, request: pb.StepRequest, reads: list[str]) -> pb.StepReply:
+        job = self.jobs.ready(request.job_id)
+        with job.order:  # steps go out in the client's order, each as soon as its turn comes
+            seq = request.seq or job.next_seq
+            self.await_turn(job, seq)
+            started = time.perf_counter()
+            try:  # a refused step still uses up its number, so the steps behind it do not wait
+                job = self.jobs.ready(request.job_id)  # a worker may have died while this step waited
+                mode = check_step(job, request)
+                named = [r.value_id for r in (*request.input_refs, *request.target_refs)]
+                self.values.acquire(named)  # kept until the step ends: a free meanwhile waits for it
+                reads += named
+                if job.auto_resume:  # one step at a time, holding the order: a failure is repaired in place
+                    return self.resume.step(job, seq, request, mode)
+                pending = self.gang.send_step(job, seq, request, mode)
+            finally:
+                job.next_seq = seq + 1
+                job.order.notify_all()
+        try:  # waiting happens outside the order: the next step can be dispatched meanwhile
+            replies = pending.replies()
+        except DispatchError as e:
+            cause = self.gang.blame(job, e)
+            raise self.lifecycle.step_failed(job, seq, cause) from None
+        finally:
+            self.gang.leave(job)
+        if mode == "train":  # status counts training steps
+            with job.order:
+                job.steps += 1
+        reply = self.gang.step_reply(job, seq, replies)
+        job.stepped(mode, reply.loss, replies)
+        self.metrics.step(job, mode, time.perf_counter() - started, replies)
+        return reply
+
+    def await_turn(self, job: Job, seq: int) -> None:
+        """Wait (holding ``job.order``) until step ``seq`` is the next to go out. A step number
+        that never arrives (lost with its client) is skipped after a deadline, as workers skip
+        missing gang positions, so one lost request cannot stall the job."""
+        if seq < job.next_seq:
+            raise InvalidInput(
+                f"job {job.job_id}: step number {seq} is already used ({job.next_seq - 1} steps have gone out); "
+                f"another client may be stepping this job, or the step was sent twice or skipped as missing"
+            )
+        deadline = time.monotonic() + self.STEP_ORDER_TIMEOUT_S
+        while job.next_seq != seq:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("job %s: steps %d..%d never arrived; skipping them", job.job_id, job.next_seq, seq - 1)
+                job.next_seq = seq
+                break
+            job.order.wait(remaining)

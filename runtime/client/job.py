@@ -1,0 +1,235 @@
+"""A job on the cluster as the client holds it: Job (steps, evaluation, timelines, weights,
+checkpoints) and the futures and results of its steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll.client.export import as_leaves
+from atoll.client.plan import Plan
+from atoll.client.remote import RemoteValue
+from atoll.client.trace import Trace
+from atoll.core.wire import tensor_from_pb, tensor_to_pb
+from atoll.errors import InvalidInput, JobFailed
+
+if TYPE_CHECKING:  # the client module imports this one: Job only holds the Client it came from
+    from atoll.client.client import Client
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss: float
+    """Mean of the per-microbatch losses."""
+    microbatch_losses: tuple[float, ...]
+    step: int
+    """The step's number: 1 for the job's first step, in the order steps were sent."""
+    memory: dict[int, dict]
+    """Per rank, the worker's measured accounting: peak bytes by category and peak stashed microbatches."""
+    mode: str = "train"
+    """"train", "evaluate" or "forward" (see Job.evaluate, Job.forward)."""
+    outputs: tuple[torch.Tensor, ...] = ()
+    """Forward steps: the last stage's output for the full batch (flattened leaves)."""
+    remote_outputs: tuple[RemoteValue, ...] = ()
+    """Forward steps that keep their output: where it stays."""
+
+
+class StepFuture:
+    """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
+
+    def __init__(self, job: Job, future, mode: str = "train", reads: tuple[RemoteValue, ...] = ()):
+        self._job = job
+        self._future = future
+        self._mode = mode
+        self._result: StepResult | None = None
+        self._reads = reads
+        """The remote values the step reads: held while it is on its way, so that a handle the
+        caller did not keep (``job.step_async(other.forward(x, keep=True), y)``) is not freed first."""
+        for value in reads:
+            value._read_by(future)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def details(self, timeout_s: float | None = None) -> StepResult:
+        """The whole result: loss, microbatch losses, step number, per-rank measured memory."""
+        if self._result is None:
+            try:
+                reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
+            except JobFailed:
+                self._job.state = "failed"
+                raise
+            memory = {int(r): m for r, m in json.loads(reply.memory_json or "{}").items()}
+            outputs = tuple(tensor_from_pb(t, "output") for t in reply.outputs)
+            kept = tuple(RemoteValue(self._job._client, ref) for ref in reply.kept_outputs)
+            self._result = StepResult(
+                reply.loss, tuple(reply.microbatch_losses), reply.step, memory, self._mode, outputs, kept
+            )
+            last = self._job.last
+            if last is None or self._result.step > last.step:
+                self._job.last = self._result
+        return self._result
+
+    def result(self, timeout_s: float | None = None) -> float:
+        return self.details(timeout_s).loss
+
+
+class Job:
+    """A pipeline loaded on the cluster: its plan, and its weights and optimizer state on the workers."""
+
+    def __init__(self, client: Client, job_id: str, plan: Plan, next_step: int = 1):
+        self._client = client
+        self.id = job_id
+        self.plan = plan
+        self.last: StepResult | None = None
+        """The latest step whose result has been read, of any mode (``last.mode``: "train",
+        "evaluate" or "forward"), with its loss, per-rank memory and data-plane bytes."""
+        self._next_seq = next_step
+        self.max_in_flight = self.MAX_IN_FLIGHT
+        """Steps sent and not yet finished; one more ``step_async`` waits for the oldest."""
+        self._pending: list[StepFuture] = []
+        self._lock = threading.Lock()
+        self.state = "ready"
+        """As this client last saw it: "ready", "failed" (a step raised JobFailed) or "closed"."""
+
+    @property
+    def name(self) -> str:
+        """The job's name (``pipeline(..., name=...)``, else its model's class)."""
+        return self.plan.report.get("name", "")
+
+    def __repr__(self) -> str:
+        return f"<atoll.Job {self.id} {self.name!r} {self.state}, {self.plan.report.get('ranks', '?')} ranks>"
+
+    def step_async(self, input, target) -> StepFuture:
+        """Send one training step and return at once. Steps run in the order they are sent;
+        sending the next before this one finishes hides the control plane's latency (the
+        controller dispatches it while the workers still run this one)."""
+        return self._send("train", input, target)
+
+    def evaluate(self, input, target) -> float:
+        """The mean microbatch loss of a full batch with the weights after every step sent so
+        far: the plan's forward actions alone, no backward, no update."""
+        return self._send("evaluate", input, target).result()
+
+    def forward(self, input, keep: bool = False):
+        """The model's output for a full batch (the last stage's output, microbatches concatenated
+        along dim 0): a tensor, or a tuple of them for a model with several outputs. With
+        ``keep``, the output stays on the worker that made it: ``RemoteValue``s instead."""
+        result = self._send("forward", input, None, keep).details()
+        outputs = result.remote_outputs if keep else result.outputs
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _send(self, mode: str, input, target, keep: bool = False) -> StepFuture:
+        inputs, input_values, input_at = _batch(input, "input")
+        targets, target_values, target_at = ([], (), []) if target is None else _batch(target, "target")
+        self._wait_for_window()
+        with self._lock:
+            request = pb.StepRequest(
+                job_id=self.id,
+                inputs=inputs,
+                targets=targets,
+                input_refs=[v.ref for v in input_values],
+                target_refs=[v.ref for v in target_values],
+                input_ref_at=input_at,
+                target_ref_at=target_at,
+                keep_outputs=keep,
+                seq=self._next_seq,
+                mode=mode,
+            )
+            self._next_seq += 1
+            future = self._client._endpoint.future("Step", request, self._client.step_timeout_s)
+            step = StepFuture(self, future, mode, (*input_values, *target_values))
+            self._pending.append(step)  # _wait_for_window just dropped the finished ones
+        return step
+
+    # Default steps in flight per job: enough to hide the control plane's latency; bounded so
+    # waiting steps never tie up every request thread of the controller.
+    MAX_IN_FLIGHT = 4
+
+    def _wait_for_window(self) -> None:
+        while True:
+            with self._lock:
+                self._pending = [f for f in self._pending if not f.done()]
+                oldest = self._pending[0] if len(self._pending) >= self.max_in_flight else None
+            if oldest is None:
+                return
+            try:
+                oldest.details()
+            except Exception:  # its owner sees the error from its own future
+                pass
+
+    def step(self, input, target) -> float:
+        """One training step on a full batch; returns the mean microbatch loss."""
+        return self.step_async(input, target).result()
+
+    def _wait_for_sent_steps(self) -> None:
+        """Wait until every step this client has sent has ended (its own future reports errors)."""
+        with self._lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.details()
+
+    def timeline(
+        self, steps: list[int] | None = None, *, last: int = 1, path: str | os.PathLike | None = None
+    ) -> Trace:
+        """The timelines of steps sent so far (by their numbers, 1 = the job's first call; by
+        default the last ``last``): each worker's actions as measured beside the compiler's
+        prediction, with the bubble fractions. Workers keep their last 64 steps. With ``path``,
+        also writes the Chrome trace JSON there (open it in https://ui.perfetto.dev)."""
+        self._wait_for_sent_steps()
+        request = pb.TimelineRequest(job_id=self.id, steps=list(steps or []), last=last)
+        reply = self._client._call("GetTimeline", request)
+        trace = Trace(json.loads(reply.trace_json), json.loads(reply.summary_json))
+        if path is not None:
+            trace.save(path)
+        return trace
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
+        self._wait_for_sent_steps()
+        reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
+        return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
+
+    def save(self, path: str | os.PathLike) -> dict:
+        """Checkpoint the job after every step sent so far: each worker writes its own weights and
+        optimizer state to ``path`` (storage the workers and the controller share), in safetensors
+        files under a JSON manifest, never through the client or the controller. The new version
+        replaces the previous one only once complete. Restore with ``pipeline(..., resume_from=path)``,
+        in any layout. Returns ``{"path", "version", "step"}``."""
+        self._wait_for_sent_steps()
+        reply = self._client._call("Save", pb.SaveRequest(job_id=self.id, path=os.fspath(path)), timeout_s=600.0)
+        return {"path": reply.path, "version": reply.version, "step": reply.step}
+
+    def close(self) -> None:
+        """Free the job on every worker (idempotent)."""
+        self._client._call("CloseJob", pb.JobRef(job_id=self.id))
+        self.state = "closed"
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _batch(value, what: str) -> tuple[list[pb.TensorData], tuple[RemoteValue, ...], list[int]]:
+    """A step's input or target: the tensors to send, the remote values to name, and the positions
+    of the remote values among them (empty when every one is remote; atoll.core.wire.interleave)."""
+    leaves = list(value) if isinstance(value, (tuple, list)) else [value]
+    remote = tuple(v for v in leaves if isinstance(v, RemoteValue))
+    for v in remote:
+        if v.freed:
+            raise InvalidInput(f"{what}: {v} was freed")
+    if not remote:
+        return [tensor_to_pb(t) for t in as_leaves(value, what)], (), []
+    plain = [v for v in leaves if not isinstance(v, RemoteValue)]
+    if plain:
+        as_leaves(plain, what)  # tensors, or a clear error
+    at = [] if not plain else [i for i, v in enumerate(leaves) if isinstance(v, RemoteValue)]
+    return [tensor_to_pb(t) for t in plain], remote, at

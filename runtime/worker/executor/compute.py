@@ -1,0 +1,152 @@
+"""Handlers of the compute kinds: a stage's forward and backward on one microbatch, with its
+inputs taken from the batch, a local producer or a receive, and its activations accounted."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.utils._pytree as pytree
+
+from atoll.core.actions import Action, Kind
+from atoll.core.graphs import flatten
+from atoll.core.memory import SavedTensors, storage_key
+from atoll.worker.executor.handlers import handles
+from atoll.worker.executor.step import InputGrads, Stash, StepState
+from atoll.worker.executor.transfers import take_recv
+
+if TYPE_CHECKING:
+    from atoll.worker.executor.interpreter import PipelineExecutor
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A stage input made by another stage: cut from the producer's graph, collecting its gradient."""
+    t = t.detach()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def _stage_inputs(ex: PipelineExecutor, action: Action, state: StepState) -> list[torch.Tensor]:
+    """The stage's flat inputs, each from its edge: the batch, a local producer's stash, or
+    this microbatch's receive buffers. Inputs made by another stage become leaves that
+    collect the gradient to send back."""
+    s, m = action.stage, action.microbatch
+    inputs: list[torch.Tensor | None] = [None] * len(ex.stages[s].input.tensors)
+    for _, e in ex.routes.batch_in(s):
+        if state.input_mbs is None:
+            raise RuntimeError(f"{action} reads the batch input, which this rank was not sent")
+        for i, j in zip(e.src_indices, e.dst_indices):
+            inputs[j] = state.input_mbs[m][i]
+    for _, e in ex.routes.local_in(s):
+        producer = state.stash.get((e.src, m))
+        if producer is None:
+            raise RuntimeError(f"{action} takes the output of {e.src}F{m}, which has not run on this rank")
+        for i, j in zip(e.src_indices, e.dst_indices):
+            inputs[j] = _leaf(producer.outputs[i])
+    if ex.routes.needs_recv_f(s):
+        received = iter(take_recv(ex, Action(s, Kind.RECV_F, m), state))
+        for _, e in ex.routes.remote_in(s):
+            for j in e.dst_indices:
+                inputs[j] = _leaf(next(received))
+    return inputs
+
+
+def _counter(ex: PipelineExecutor, s: int, inputs: list[torch.Tensor]) -> SavedTensors:
+    """Counts what a stage saves. A handed-off input is its producer's stashed output, counted
+    there (as a received input is counted as a buffer), so it is not counted again."""
+    handed_over = {storage_key(inputs[j]) for _, e in ex.routes.local_in(s) for j in e.dst_indices}
+    return SavedTensors(ex.not_activations, handed_over)
+
+
+def _run_stage(ex: PipelineExecutor, s: int, m: int, inputs: list[torch.Tensor], state: StepState):
+    out = ex.stages[s].graph.forward(inputs)
+    if s != ex.last_stage or state.mode == "forward":
+        return flatten(out)
+    leaves = flatten(out) + list(state.target_mbs[m])
+    args, kwargs = pytree.tree_unflatten(leaves, ex.loss.in_spec)
+    return [ex.loss.module(*args, **kwargs)]
+
+
+@handles(Kind.FORWARD)
+def forward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    s, m = action.stage, action.microbatch
+    if (s, m) in state.stash:
+        raise RuntimeError(f"{action} computed twice")
+    inputs = _stage_inputs(ex, action, state)
+    counter = _counter(ex, s, inputs)
+    if ex.rematerialize:
+        # keep only the inputs; backward recomputes the forward (GPipe re-materialization)
+        with torch.no_grad():
+            outputs = _run_stage(ex, s, m, inputs, state)
+        counter.add(inputs)
+    else:
+        with counter:
+            outputs = _run_stage(ex, s, m, inputs, state)
+        counter.add(outputs)
+    if s == ex.last_stage and state.mode == "forward":
+        state.outputs[m] = [t.detach() for t in outputs]
+    elif s == ex.last_stage:
+        state.losses[m] = outputs[0].detach()
+    else:
+        ex.stages[s].output.check(outputs)
+    state.stash[(s, m)] = Stash(inputs, outputs, counter.nbytes)
+    state.activation_bytes += counter.nbytes
+
+
+def _output_grads(ex: PipelineExecutor, action: Action, state: StepState) -> dict[int, torch.Tensor]:
+    """Gradient of each output of a stage, summed over every edge that carried it away."""
+    s, m = action.stage, action.microbatch
+    grads: dict[int, torch.Tensor] = {}
+
+    def add(position: int, grad: torch.Tensor) -> None:
+        grads[position] = grad if position not in grads else grads[position] + grad
+
+    for _, e in ex.routes.local_out(s):
+        if e.differentiable:
+            taken = state.take_input_grads(e.dst, m, action)
+            for i in e.differentiable:
+                add(e.src_indices[i], taken[e.dst_indices[i]])
+    if ex.routes.needs_recv_b(s):
+        received = iter(take_recv(ex, Action(s, Kind.RECV_B, m), state))
+        for _, e in ex.routes.remote_out(s):
+            for i in e.differentiable:
+                add(e.src_indices[i], next(received))
+    return grads
+
+
+@handles(Kind.BACKWARD)
+def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    s, m = action.stage, action.microbatch
+    stash = state.stash.pop((s, m), None)
+    if stash is None:
+        raise RuntimeError(f"{action} before {s}F{m}")
+    outputs, recomputed = stash.outputs, 0
+    if ex.rematerialize:
+        counter = _counter(ex, s, stash.inputs)
+        with counter:
+            outputs = _run_stage(ex, s, m, stash.inputs, state)
+        counter.add(outputs)
+        # the recomputed activations live only while this backward runs: observe them now
+        recomputed = counter.nbytes
+        state.activation_bytes += recomputed
+        ex.observe(state)
+    final = ex.buckets is not None and ex.last_backward.get(s) == m
+    with ex.buckets.last_backward(s) if final else contextlib.nullcontext():
+        if s == ex.last_stage:
+            torch.autograd.backward(outputs[0] / ex.microbatches)
+        else:
+            pairs = [(outputs[i], g) for i, g in sorted(_output_grads(ex, action, state).items())]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            if pairs:  # an integer-only edge sends no gradient back
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    state.activation_bytes -= stash.nbytes + recomputed
+    readers = ex.routes.grad_readers(s)
+    if readers:
+        state.input_grads[(s, m)] = InputGrads(
+            {
+                j: t.grad if t.grad is not None else torch.zeros_like(t)
+                for j, t in enumerate(stash.inputs)
+                if t.requires_grad
+            },
+            readers,
+        )

@@ -1,0 +1,256 @@
+"""The Worker gRPC service: the RPCs the controller (and peers, for values) call on a worker.
+
+Thin by design: each RPC takes its turn in the gang order (``Turnstile``) and hands the work to
+the job's executor, the plan loader (atoll.worker.loader) or the value store.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.core import checkpoint
+from atoll.core.shards import ParamShard
+from atoll.core.wire import interleave, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
+from atoll.errors import InvalidInput, JobFailed, NotFound, NotPermitted
+from atoll.net import log as _log
+from atoll.net.auth import from_controller
+from atoll.net.relay import Relay
+from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
+from atoll.worker.executor.interpreter import PipelineExecutor
+from atoll.worker.loader import PlanLoader
+from atoll.worker.turnstile import Turnstile
+from atoll.worker.values import ValueStore, pull
+
+# One logger for the whole worker (as the controller has "atoll.controller"): operators filter
+# the worker's lines by this name, which predates the split into daemon, service and loader.
+log = logging.getLogger("atoll.worker.daemon")
+
+
+def controller_only(method):
+    """Work (plans, steps, state, values) comes only from the controller this worker registered
+    with: its calls carry the key it gave at registration. Another holder of the cluster token
+    (a client, a fuzzer) gets PERMISSION_DENIED, and the worker's gang order is untouched."""
+
+    @functools.wraps(method)
+    def wrapped(self, request, context):
+        if not from_controller(context, self.controller_key):
+            raise NotPermitted(f"{method.__name__}: only the controller this worker registered with may call it")
+        return method(self, request, context)
+
+    return wrapped
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, *, device: str, host: str, token: str, bind_host: str | None = None):
+        self.device = torch.device(device)
+        self.host = host
+        """The address peers reach this worker at (data plane)."""
+        self._token = token
+        self.values = ValueStore(bind_host or host, token, advertise_host=host)
+        self._jobs: dict[str, PipelineExecutor] = {}
+        self._lock = threading.Lock()
+        self.turnstile = Turnstile()
+        self.relay = Relay(token, self._step_in_turn)
+        self.controller_key = ""
+        """Set at registration: the key the controller's calls carry (``controller_only``)."""
+        self.controller: Endpoint | None = None
+        """The controller this worker registered with: the data plane's rendezvous is there."""
+
+    def _job(self, job_id: str) -> PipelineExecutor:
+        with self._lock:
+            executor = self._jobs.get(job_id)
+        if executor is None:
+            raise NotFound(f"job {job_id!r} is not loaded on this worker")
+        return executor
+
+    def drop_all_jobs(self) -> None:
+        """Forget every job: a new controller does not know them, so nobody could close them."""
+        with self._lock:
+            executors, self._jobs = list(self._jobs.values()), {}
+        for executor in executors:
+            executor.close()
+
+    @rpc_handler
+    @controller_only
+    def LoadPlan(self, request: pb.LoadPlanRequest, context):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            return self._load(request)
+
+    def _use_device(self) -> None:
+        if self.device.type == "cuda":  # gRPC runs each call on a pool thread; CUDA's device is per thread
+            torch.cuda.set_device(self.device)
+
+    @_log.in_context(lambda request: (request.job_id, None))
+    def _load(self, request: pb.LoadPlanRequest) -> pb.LoadPlanReply:
+        with self._lock:
+            if request.job_id in self._jobs:
+                raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
+        self._use_device()
+        executor = PlanLoader(device=self.device, host=self.host, controller=self.controller).load(request)
+        with self._lock:
+            self._jobs[request.job_id] = executor
+        log.info("loaded job %s as worker %d (%d actions)", request.job_id, request.mesh.worker, len(request.actions))
+        return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
+
+    def _step_in_turn(self, request: pb.RunStepRequest) -> pb.RunStepReply:
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            return self._step(request)
+
+    @rpc_handler
+    @controller_only
+    def RunStep(self, request: pb.RunStepRequest, context):
+        return self._step_in_turn(request)
+
+    @rpc_handler
+    @controller_only
+    def RunStepGroup(self, request: pb.RunStepGroupRequest, context):
+        """This worker's part of a step, and the other members' relayed to them (runtime/net/relay.py)."""
+        return self.relay.run(request)
+
+    @rpc_stream_handler
+    @controller_only
+    def RunStepStream(self, request: pb.RunStepRequest, context):
+        """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            yield pb.RunStepEvent(started=True)
+            reply = self._step(request)
+        yield pb.RunStepEvent(reply=reply)
+
+    @_log.in_context(lambda request: (request.job_id, request.step))
+    def _step(self, request: pb.RunStepRequest) -> pb.RunStepReply:
+        """Run one step of a loaded job; call in the request's turn."""
+        control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
+        executor = self._job(request.job_id)
+        self._use_device()
+        try:
+            pulled_inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
+            pulled_targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
+            pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
+            sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
+            sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
+            inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
+            targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
+        except Exception as e:
+            raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
+        memory["data_plane_bytes"]["received"] += pulled
+        memory["control_plane_tensor_bytes"] = control_bytes
+        kept = []
+        if request.keep_outputs:  # the output stays here; the reply carries references
+            for t in outputs:
+                value_id = uuid.uuid4().hex
+                spec = self.values.put(value_id, t)
+                kept.append(pb.RemoteRef(value_id=value_id, spec=tensor_spec_to_pb(spec)))
+            outputs = []
+        return pb.RunStepReply(
+            microbatch_losses=losses,
+            memory_json=json.dumps(memory),
+            outputs=[tensor_to_pb(t) for t in outputs],
+            kept_outputs=kept,
+        )
+
+    def _pull(self, ref: pb.RemoteRef, timeout_s: float) -> torch.Tensor:
+        """A remote value, from this worker's store or straight from its holder (never via the controller)."""
+        if ref.address == self.values.address:
+            return self.values.get(ref.value_id)
+        return pull(ref.address, self._token, ref.value_id, timeout_s)
+
+    @rpc_handler
+    @controller_only
+    def PutValue(self, request: pb.PutValueRequest, context):
+        self.values.put(request.value_id, tensor_from_pb(request.tensor, "value"))
+        return pb.Empty()
+
+    @rpc_handler
+    def GetValue(self, request: pb.RemoteRef, context):
+        return tensor_to_pb(self.values.get(request.value_id))
+
+    @rpc_handler
+    @controller_only
+    def FreeValue(self, request: pb.RemoteRef, context):
+        self.values.free(request.value_id)
+        return pb.Empty()
+
+    @rpc_handler
+    @controller_only
+    def GetState(self, request: pb.GetStateRequest, context):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            # serialized inside the turn: a queued step must not update weights mid-read
+            state = self._job(request.job_id).state_dict()
+            return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
+
+    @rpc_handler
+    @controller_only
+    def SaveState(self, request: pb.SaveStateRequest, context):
+        """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            tensors = self._job(request.job_id).checkpoint_tensors()
+            if "/" in request.file or request.file.startswith("."):
+                raise InvalidInput(f"checkpoint file name {request.file!r} must be a plain name")
+            keys = checkpoint.write_tensors(Path(request.directory), request.file, tensors)
+            return pb.SaveStateReply(
+                tensors=[pb.SavedTensor(key=k, shape=shape, dtype=dtype) for k, (shape, dtype) in keys.items()]
+            )
+
+    @rpc_handler
+    @controller_only
+    def LoadState(self, request: pb.LoadStateRequest, context):
+        """Load the job's weights and optimizer state from a committed checkpoint version, cut for
+        this worker's place in the job's layout."""
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            executor = self._job(request.job_id)
+            version = Path(request.directory)
+            try:
+                manifest = json.loads((version / checkpoint.MANIFEST).read_text())
+                cuts = {c.name: ParamShard.from_pb(c) for c in request.cuts}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise InvalidInput(f"checkpoint {version}: {type(e).__name__}: {e}") from None
+            reader = checkpoint.Reader(version, manifest)
+            executor.restore(reader, cuts)
+            return pb.Empty()
+
+    @rpc_handler
+    @controller_only
+    def Unload(self, request: pb.JobRef, context):
+        with self._lock:
+            executor = self._jobs.pop(request.job_id, None)
+        if executor is None:
+            raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
+        executor.close()
+        return pb.Empty()
+
+    Chunked = chunked_method("Worker")
+
+    @rpc_handler
+    def Ping(self, request, context):
+        return pb.Empty()
+
+    @rpc_handler
+    @controller_only
+    def GetTimeline(self, request: pb.TimelineRequest, context):
+        """The spans of the job's recent steps on this worker (atoll.core.spans); not ordered with
+        steps, so it answers while a step runs."""
+        executor = self._job(request.job_id)
+        held = executor.history.select(list(request.steps), request.last)
+        return pb.WorkerTimeline(
+            steps=[s.to_pb(executor.rank) for s in held], cpus=_cpus(), compute_threads=torch.get_num_threads()
+        )
+
+
+def _cpus() -> list[int]:
+    """The CPUs this process may run on: a timeline built on a host whose workers share too few
+    of them is flagged (controller/compiler/trace.py)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return list(range(os.cpu_count() or 1))
