@@ -1,6 +1,6 @@
 """Admission: a job gets all its workers at once or waits, in arrival order, up to its deadline.
 
-Placement (``ControllerService._place``) is all or nothing; a request it cannot meet now either
+Placement (``Lifecycle.place``, controller/lifecycle.py) is all or nothing; a request it cannot meet now either
 fails at once (``admission_timeout_s`` = 0, the default) or queues. The queue is served strictly in
 arrival order: only its head tries to place, again whenever workers are released (a job closes or
 fails, a worker registers), so a large request is not starved by smaller ones behind it. ``atoll

@@ -6,7 +6,7 @@ bytes of its point-to-point transfers (activations, their gradients, tied-parame
 ``all_reduced`` is the gradient bytes it puts into the data-parallel all-reduce (what the
 collective then moves over the wire depends on gloo's algorithm and is not counted);
 ``island_all_reduced`` is the bytes it puts into its tensor-parallel island's collectives, read off
-the sharded programs (controller/compiler/parallel/tensor.py): per forward those of the stage (and of the
+the sharded programs (controller/compiler/parallel/tensor/): per forward those of the stage (and of the
 loss, on the last stage), per backward those of the backward, plus the forward's again where the
 backward recomputes it.
 """

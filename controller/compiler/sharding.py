@@ -1,5 +1,5 @@
 """Tensor parallelism over a whole split model: each stage sharded over its island
-(controller/compiler/parallel/tensor.py), the loss made vocabulary-parallel where the logits stay
+(controller/compiler/parallel/tensor/), the loss made vocabulary-parallel where the logits stay
 sharded, and each tied parameter cut alike by every stage holding it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from atoll.errors import InvalidInput
 
 
 def shard_stages(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, loss: bytes):
-    """Every stage sharded over its island (controller/compiler/parallel/tensor.py); a tied parameter must be
+    """Every stage sharded over its island (controller/compiler/parallel/tensor/); a tied parameter must be
     cut alike by every stage holding it, and its gradient buffers are then its local piece."""
     T, last = cfg.tensor_parallel, len(split.stages) - 1
     shardings, loss_programs = [], (loss,)

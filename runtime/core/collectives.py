@@ -1,6 +1,6 @@
 """Collectives of a tensor-parallel island, as torch custom ops that stage graphs call.
 
-The compiler (controller/compiler/parallel/tensor.py) writes these ops into each rank's stage graph where
+The compiler (controller/compiler/parallel/tensor/) writes these ops into each rank's stage graph where
 Megatron-LM puts its conjugate operators: ``island_all_reduce`` is Megatron's *g* (sum the
 partial outputs of a row-parallel layer; its gradient passes through unchanged) and
 ``island_copy`` is *f* (the input of a column-parallel layer; its gradient is summed over the

@@ -62,7 +62,7 @@ class JobConfig:
     updated parameters are all-gathered (runtime/worker/executor/zero.py); 0: every replica steps everything."""
     tensor_parallel: int = 1
     """Workers per pipeline rank: each stage runs sharded over an island of this many workers
-    (Megatron-LM tensor parallelism, controller/compiler/parallel/tensor.py)."""
+    (Megatron-LM tensor parallelism, controller/compiler/parallel/tensor/)."""
     tensor_parallel_plan: dict = field(default_factory=dict)
     """Module name -> "colwise", "rowwise", "vocab_embedding" (what the compiler must find it to be)
     or "replicate" (keep it whole); modules not named are sharded as the compiler finds them."""

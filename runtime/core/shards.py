@@ -1,5 +1,5 @@
 """How a tensor-parallel parameter is cut over an island: the compiler decides it
-(controller/compiler/parallel/tensor.py), the controller joins shards back (state_dict), workers cut and
+(controller/compiler/parallel/tensor/), the controller joins shards back (state_dict), workers cut and
 join them when a checkpoint moves between layouts (atoll.core.checkpoint)."""
 
 from __future__ import annotations

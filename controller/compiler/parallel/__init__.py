@@ -1,1 +1,1 @@
-"""Passes that shard a stage across a tensor-parallel group (tensor.py, sequence.py)."""
+"""Passes that shard a stage across a tensor-parallel group (tensor/, sequence.py)."""

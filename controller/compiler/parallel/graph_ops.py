@@ -1,5 +1,5 @@
 """The ATen ops the tensor- and sequence-parallel passes reason about, and the value an exported
-graph's node carries (its fake tensor), shared by controller/compiler/parallel/tensor.py and
+graph's node carries (its fake tensor), shared by controller/compiler/parallel/tensor/ and
 controller/compiler/parallel/sequence.py."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models") on top of the tensor-parallel cuts of a stage (controller/compiler/parallel/tensor.py).
+Transformer Models") on top of the tensor-parallel cuts of a stage (controller/compiler/parallel/tensor/).
 
 Between a row-parallel layer and the next column-parallel one, a transformer runs code that works
 token by token (residual adds, LayerNorm, dropout, biases): there each island rank keeps only its
