@@ -51,10 +51,8 @@ class Registry:
         on_death: Callable[[WorkerRecord], None],
         controller_key: str = "",
     ):
-        self._token = token
-        self._controller_key = controller_key
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._token, self._controller_key = token, controller_key
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._on_death = on_death
         self._workers: dict[str, WorkerRecord] = {}
