@@ -28,7 +28,7 @@ from atoll.cli.daemons import serve_until_stopped  # noqa: E402
 from atoll.errors import AtollError  # noqa: E402
 from atoll.net.auth import resolve_token  # noqa: E402
 from atoll.net.relay import Relay  # noqa: E402
-from atoll.net.rpc import Endpoint, make_server, rpc_handler  # noqa: E402
+from atoll.net.rpc import Endpoint, chunked_method, make_server, rpc_handler  # noqa: E402
 
 log = logging.getLogger("atoll.sim")
 
@@ -40,6 +40,8 @@ class SimulatedWorkers(pb_grpc.WorkerServicer):
     @staticmethod
     def _run_own(request: pb.RunStepRequest) -> pb.RunStepReply:
         return pb.RunStepReply(memory_json="{}")
+
+    Chunked = chunked_method("Worker")  # LoadPlan comes in pieces, as to a real worker
 
     @rpc_handler
     def LoadPlan(self, request, context):
@@ -89,7 +91,7 @@ class SimulatedDaemon:
                 ),
             )
             self._ids.append(reply.worker_id)
-            self.relay.use_controller_key(reply.controller_key)
+            self.service.relay.use_controller_key(reply.controller_key)
             self._interval = reply.heartbeat_interval_s or 1.0
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
 
