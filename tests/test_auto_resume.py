@@ -14,7 +14,10 @@ from tests.reference import RTOL, train_reference
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
-RESTORE_DEADLINE_S = 10.0
+# A kill, then the job running again: 2.2..9.4 s in 20 audit rounds (.ci/timing-audit, half of them
+# beside a second suite). 30 s keeps a margin of 3x over the worst seen and still catches a resume
+# that waits out the turnstile's or the data plane's deadlines instead of acting at once.
+RESTORE_DEADLINE_S = 30.0
 
 
 def _close(a: list[float], b: list[float]) -> bool:
