@@ -56,12 +56,12 @@ class CompileState:
     memory: dict[int, memory_plan.RankMemory] = field(default_factory=dict)
     communication: dict[int, dict[str, int]] = field(default_factory=dict)
 
+    stage_params: dict[int, list] = field(default_factory=dict)
+    """Per stage: its parameters (fake tensors), read by the memory and communication predictions."""
+
     @property
     def infos(self) -> list[StageInfo]:
         return [info for info, _ in self.analyzed]
-
-    def stage_params(self, s: int):
-        return [p for _, p in StageGraph(self.analyzed[s][1]).named_parameters()]
 
 
 def analysis_device(device: str) -> str:
@@ -132,6 +132,7 @@ def analyze(st: CompileState) -> None:
     """Reads each stage's program; adds its specs and cost (on fake tensors), checks every edge
     against both its ends, analyzes the loss, and places the dataflow on the ranks (routes)."""
     st.analyzed = [analyze_stage(s, p[0]) for s, p in enumerate(st.programs)]
+    st.stage_params = {s: [p for _, p in StageGraph(g).named_parameters()] for s, (_, g) in enumerate(st.analyzed)}
     infos = st.infos
     _check_edges(st.dataflow, infos)
     st.loss = analyze_loss(st.loss_programs[0], infos[-1].output, st.microbatch_target)
@@ -200,7 +201,7 @@ def predict_memory(st: CompileState) -> None:
         topo,
         st.lowered,
         {s.index: s.memory for s in st.stages},
-        {s: st.stage_params(s) for s in range(topo.num_stages)},
+        st.stage_params,
         cfg.optimizer,
         cfg.optimizer_args,
         st.routes,
@@ -217,7 +218,7 @@ def count_communication(st: CompileState) -> None:
             st.lowered.actions[r],
             st.routes,
             r,
-            [p for s in topo.stages_of(r) for p in st.stage_params(s)],
+            [p for s in topo.stages_of(r) for p in st.stage_params[s]],
             cfg.data_parallel if cfg.zero else 1,
             island=island,
         )

@@ -3,7 +3,7 @@ in the spirit of torchtitan's ParallelDims."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atoll.core.mesh import Mesh
 from atoll.core.names import SCHEDULES
@@ -29,6 +29,9 @@ class Topology:
     runs on workers ``(d * ranks + r) * tensor_parallel + t``, t = 0 .. tensor_parallel - 1: an
     island's workers are neighbours in placement order (same host first), as in Megatron-LM."""
 
+    _mesh: Mesh = field(init=False, repr=False, compare=False)
+    """Built once, after the checks, from the degrees above."""
+
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise InvalidInput(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
@@ -47,6 +50,8 @@ class Topology:
                     f"interleaved_1f1b needs microbatches divisible by the number of rounds "
                     f"({self.rounds} = max(1, microbatches // ranks)), got {self.microbatches}"
                 )
+        mesh = Mesh.of(data=self.data_parallel, pipeline=self.ranks, tensor=self.tensor_parallel)
+        object.__setattr__(self, "_mesh", mesh)  # frozen: set once here
 
     @property
     def workers(self) -> int:
@@ -55,7 +60,7 @@ class Topology:
     @property
     def mesh(self) -> Mesh:
         """The workers as named dimensions (atoll.core.mesh): what each worker's plan carries."""
-        return Mesh.of(data=self.data_parallel, pipeline=self.ranks, tensor=self.tensor_parallel)
+        return self._mesh
 
     def worker(self, replica: int, rank: int, tp: int = 0) -> int:
         return self.mesh.worker(data=replica, pipeline=rank, tensor=tp)
