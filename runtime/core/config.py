@@ -85,27 +85,14 @@ class JobConfig:
     """Where an ``auto_resume`` job keeps its checkpoint (storage the workers and the controller share)."""
 
     def to_pb(self) -> pb.JobConfig:
-        msg = pb.JobConfig()
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, dict):
-                json_format.ParseDict(value, getattr(msg, f.name))
-            elif isinstance(value, tuple):
-                getattr(msg, f.name).extend(value)
-            else:
-                setattr(msg, f.name, value)
-        return msg
+        return _fill(pb.JobConfig(), self)
 
     @staticmethod
     def from_pb(msg: pb.JobConfig) -> JobConfig:
         """A field left at the message's zero value takes its default here."""
         values = {}
         for f in dataclasses.fields(JobConfig):
-            value = getattr(msg, f.name)
-            if f.type == "dict":
-                value = json_format.MessageToDict(value)
-            elif f.type.startswith("tuple"):
-                value = tuple(value)
+            value = _read(msg, f)
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required and not value:
                 raise InvalidInput(f"job configuration is incomplete: {f.name} must be set to a positive value")
@@ -140,15 +127,7 @@ class WorkerSettings:
         )
 
     def to_pb(self) -> pb.WorkerSettings:
-        msg = pb.WorkerSettings(
-            microbatches=self.microbatches,
-            optimizer=self.optimizer,
-            rematerialize=self.rematerialize,
-            zero=self.zero,
-            data_plane_timeout_s=self.data_plane_timeout_s,
-        )
-        json_format.ParseDict(self.optimizer_args, msg.optimizer_args)
-        return msg
+        return _fill(pb.WorkerSettings(), self)
 
     @staticmethod
     def from_pb(msg: pb.WorkerSettings) -> WorkerSettings:
@@ -157,11 +136,27 @@ class WorkerSettings:
                 f"plan's settings: microbatches {msg.microbatches} and data_plane_timeout_s "
                 f"{msg.data_plane_timeout_s} must be positive"
             )
-        return WorkerSettings(
-            microbatches=msg.microbatches,
-            optimizer=msg.optimizer,
-            optimizer_args=json_format.MessageToDict(msg.optimizer_args),
-            rematerialize=msg.rematerialize,
-            zero=msg.zero,
-            data_plane_timeout_s=msg.data_plane_timeout_s,
-        )
+        return WorkerSettings(**{f.name: _read(msg, f) for f in dataclasses.fields(WorkerSettings)})
+
+
+def _fill(msg, settings):
+    """``msg`` with every field of the dataclass ``settings`` set from it, by name."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, dict):
+            json_format.ParseDict(value, getattr(msg, f.name))
+        elif isinstance(value, tuple):
+            getattr(msg, f.name).extend(value)
+        else:
+            setattr(msg, f.name, value)
+    return msg
+
+
+def _read(msg, f: dataclasses.Field):
+    """The message's field of the dataclass field ``f``'s name, as the dataclass holds it."""
+    value = getattr(msg, f.name)
+    if f.type == "dict":
+        return json_format.MessageToDict(value)
+    if f.type.startswith("tuple"):
+        return tuple(value)
+    return value
