@@ -1,6 +1,8 @@
+import fcntl
 import os
 import signal
 import tempfile
+from contextlib import contextmanager
 
 import pytest
 
@@ -15,6 +17,42 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
+
+
+@contextmanager
+def _flock(path, mode: int):
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def alone_tests_have_the_machine(request, tmp_path_factory):
+    """Under pytest-xdist (the README's `-n 2`), a test marked `alone` runs while no other
+    cluster test runs: test_large_model needs about 16 GiB, and a cluster beside it once got the
+    controller OOM-killed. Cluster tests share a lock that an `alone` test takes exclusively;
+    the gate in front of it stops new sharers while an `alone` test waits, so it is not starved."""
+    alone = request.node.get_closest_marker("alone") is not None
+    if "PYTEST_XDIST_WORKER" not in os.environ or not (alone or request.node.get_closest_marker("cluster")):
+        yield
+        return
+    run = tmp_path_factory.getbasetemp().parent  # shared by this run's xdist workers
+    gate, lock = run / "atoll-alone.gate", run / "atoll-alone.lock"
+    if alone:
+        with _flock(gate, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
+            yield
+        return
+    with _flock(gate, fcntl.LOCK_EX):
+        shared = open(lock, "a")
+        fcntl.flock(shared, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(shared, fcntl.LOCK_UN)
+        shared.close()
 
 
 def _children_cpu_s() -> float:

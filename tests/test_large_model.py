@@ -22,6 +22,7 @@ NEEDED_BYTES = 16 << 30  # the model in this process, the controller and the wor
 LR = 0.1
 
 
+@pytest.mark.alone  # no other cluster beside it under pytest-xdist (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
     if available_bytes() < NEEDED_BYTES:

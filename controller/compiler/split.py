@@ -33,7 +33,10 @@ COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
 @dataclass(frozen=True, slots=True)
 class SplitStage:
+    """One pipeline stage cut from the model: its segments and its exported program."""
+
     index: int
+    """The stage's position in pipeline order (0 reads the batch)."""
     modules: tuple[str, ...]
     """The segments it runs, by module name ("" for the model's own code)."""
     program: bytes
@@ -42,8 +45,12 @@ class SplitStage:
 
 @dataclass(frozen=True, slots=True)
 class SplitModel:
+    """What the split pass hands on: the stages and the dataflow that joins them."""
+
     stages: list[SplitStage]
+    """One entry per stage, in pipeline order."""
     dataflow: Dataflow
+    """The edges between the stages (and from the batch), with their tensor specs."""
 
 
 def module_path(node: fx.Node) -> str:

@@ -130,53 +130,6 @@ def _from_pb(view, message, **given):
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    worker_id: str
-    address: str
-    device: str
-    host: str
-    alive: bool
-    seconds_since_heartbeat: float
-    jobs: tuple[str, ...]
-    pid: int
-    island: str
-    rss_bytes: int = 0
-    """Resident memory of the worker's process at its last heartbeat (0: not reported yet)."""
-
-
-@dataclass(frozen=True, slots=True)
-class JobStatus:
-    job_id: str
-    name: str
-    state: str
-    workers: tuple[str, ...]
-    steps: int
-    schedule: str
-    stages: int
-    error: str
-    steps_per_s: float
-    exclusive: bool
-    last_loss: float | None = None
-    """Mean microbatch loss of the last training step (None before the first)."""
-    predicted_peak_bytes: int = 0
-    """The plan's largest predicted per-rank peak."""
-    measured_peak_bytes: int = 0
-    """The largest per-worker peak measured in the last training step (0: no step yet)."""
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedRequest:
-    """A job waiting in the admission queue for its workers."""
-
-    name: str
-    ranks: int
-    device: str
-    islands: tuple[str, ...]
-    exclusive: bool
-    waited_s: float
-
-
-@dataclass(frozen=True, slots=True)
 class ClusterStatus:
     workers: tuple[WorkerStatus, ...]
     jobs: tuple[JobStatus, ...]
@@ -251,3 +204,61 @@ class ClusterStatus:
                 + f", waiting {q.waited_s:.1f}s"
             )
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One registered worker, as the controller sees it."""
+
+    worker_id: str
+    address: str
+    """Where the worker's daemon serves gRPC (host:port)."""
+    device: str
+    host: str
+    alive: bool
+    """False once its heartbeats stopped for longer than the controller's deadline."""
+    seconds_since_heartbeat: float
+    jobs: tuple[str, ...]
+    """The jobs loaded on it."""
+    pid: int
+    island: str
+    rss_bytes: int = 0
+    """Resident memory of the worker's process at its last heartbeat (0: not reported yet)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """A job waiting in the admission queue for its workers."""
+
+    name: str
+    ranks: int
+    """How many workers it asks for."""
+    device: str
+    """The device kind its workers must have (cpu, cuda)."""
+    islands: tuple[str, ...]
+    exclusive: bool
+    waited_s: float
+    """Seconds since it was queued."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    job_id: str
+    name: str
+    state: str
+    """loading, ready, failed or closed."""
+    workers: tuple[str, ...]
+    """Its workers in rank order."""
+    steps: int
+    schedule: str
+    stages: int
+    error: str
+    """Why it failed ("" while healthy)."""
+    steps_per_s: float
+    exclusive: bool
+    last_loss: float | None = None
+    """Mean microbatch loss of the last training step (None before the first)."""
+    predicted_peak_bytes: int = 0
+    """The plan's largest predicted per-rank peak."""
+    measured_peak_bytes: int = 0
+    """The largest per-worker peak measured in the last training step (0: no step yet)."""

@@ -54,18 +54,12 @@ class Edge:
 
 
 @dataclass(frozen=True, slots=True)
-class TiedParameter:
-    name: str
-    """The parameter's name in every stage that holds it (its first name in the model)."""
-    stages: tuple[int, ...]
-    spec: TensorSpec
-
-
-@dataclass(frozen=True, slots=True)
 class Dataflow:
     num_stages: int
     edges: tuple[Edge, ...]
+    """Every tensor edge between stages (and from the batch), in a fixed order."""
     tied: tuple[TiedParameter, ...] = ()
+    """Parameters shared by more than one stage (tied embeddings)."""
 
     def incoming(self, stage: int) -> list[tuple[int, Edge]]:
         return [(i, e) for i, e in enumerate(self.edges) if e.dst == stage]
@@ -93,6 +87,15 @@ class Dataflow:
                 for t in tied
             ),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    name: str
+    """The parameter's name in every stage that holds it (its first name in the model)."""
+    stages: tuple[int, ...]
+    """The stages that hold a copy, ascending; their gradients are summed before each update."""
+    spec: TensorSpec
 
 
 class Routes:
