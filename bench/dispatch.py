@@ -5,8 +5,11 @@
 (a) round trip: the median time of one tiny forward-only step (``job.forward``) through a 4-stage
     chain on a local cluster, next to a raw torch.distributed gloo chain with the same topology
     (a driver process sends to rank 0, each rank passes the tensor on, the last sends it back to
-    the driver: 4 processes plus a driver), and their ratio;
-(b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``);
+    the driver: 4 processes plus a driver), and their ratio; then the median synchronous
+    training step (``job.step``) on the same chain;
+(b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``),
+    and the CPU time per step (16 in flight) of every process: the client, the controller and
+    each worker (the four without a stage show what idling beside costs);
 (c) tiny training steps per second through the 4-stage chain with parallel dispatch (a step goes
     to all ranks at once) and with ``dispatch="sequential"`` (each rank only once the previous
     has started the step), 16 steps in flight, and their ratio;
@@ -17,7 +20,11 @@
     and relayed through a tree of the workers (what "parallel" dispatch does above 16 workers). The
     simulated cluster's controller asks for heartbeats every 10 minutes, so that dispatch is what
     is measured; the CPU it spends while idle is measured just before each run, subtracted, and
-    reported.
+    reported;
+(e) with ray importable (the ``bench`` extra), the same 4-stage chain on Ray Compiled Graphs
+    (bench/ray_chain.py), run after atoll's cluster stopped: its forward round trip and training
+    step next to atoll's synchronous ones from (a), and whether both trained to the same first
+    losses.
 
 Nothing here asserts on time.
 """
@@ -46,6 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import atoll  # noqa: E402
 from atoll.client.local import stop_processes  # noqa: E402
+
+try:  # the peer (the `bench` extra)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import ray_chain  # noqa: E402
+except ImportError:
+    ray_chain = None
 
 WIDTH = 8
 
@@ -110,6 +123,29 @@ def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
     for f in futures:
         f.result()
     return round(steps / (time.perf_counter() - start), 1)
+
+
+def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: int = 16) -> dict:
+    """CPU milliseconds per tiny training step in each process (client, controller, every worker
+    of the cluster), ``in_flight`` steps in flight; what each spent while idle over a window just
+    before is subtracted (heartbeats, polling)."""
+    pids = {"client": os.getpid(), "controller": cluster.controller.pid}
+    pids |= {f"worker{i}": p.pid for i, p in enumerate(cluster.workers)}
+    job.max_in_flight = in_flight
+    for _ in range(10):
+        job.step(x, x)
+    before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(IDLE_WINDOW_S / 5)
+    idle_per_s = {name: (_cpu_seconds(pid) - before[name]) / (IDLE_WINDOW_S / 5) for name, pid in pids.items()}
+    before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
+    for f in [job.step_async(x, x) for _ in range(steps)]:
+        f.result()
+    wall = time.perf_counter() - start
+    ms = {
+        name: round(max(0.0, _cpu_seconds(pid) - before[name] - idle_per_s[name] * wall) / steps * 1e3, 3)
+        for name, pid in pids.items()
+    }
+    return {**ms, "total": round(sum(ms.values()), 3), "steps_per_s": round(steps / wall, 1)}
 
 
 SIM_PER_PROCESS = 128
@@ -193,10 +229,31 @@ def simulated_dispatch(sizes: list[int], steps: int) -> dict:
     return report
 
 
+def ray_side(iters: int, atoll_forward_s: float, atoll_train_s: float, atoll_losses: list[float]) -> dict | str:
+    """(e) The same tiny pipeline on Ray Compiled Graphs (bench/ray_chain.py), after atoll's cluster
+    has stopped, next to atoll's synchronous forward and training step."""
+    if ray_chain is None:
+        return "ray is not importable: pip install -e '.[bench]'"
+    model, x = tiny(4)
+    ray = ray_chain.tiny_pipeline(model, x, iters)
+    return {
+        "atoll_forward": round(atoll_forward_s * 1e3, 3),
+        "ray_forward": ray["forward_ms"],
+        "ratio_atoll_over_ray_forward": round(atoll_forward_s * 1e3 / ray["forward_ms"], 2),
+        "atoll_train_step": round(atoll_train_s * 1e3, 3),
+        "ray_train_step": ray["train_step_ms"],
+        "ratio_atoll_over_ray_train_step": round(atoll_train_s * 1e3 / ray["train_step_ms"], 2),
+        "same_first_losses": all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(atoll_losses, ray["first_losses"])),
+        "first_losses_atoll": atoll_losses,
+        "first_losses_ray": ray["first_losses"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="round trips measured for (a)")
     parser.add_argument("--steps", type=int, default=200, help="training steps measured for (b) and (c)")
+    parser.add_argument("--chains", type=int, nargs="+", default=[1, 2, 4, 8], help="chain lengths for (d)")
     parser.add_argument("--sim-steps", type=int, default=30, help="steps measured per simulated cluster size")
     parser.add_argument("--sim-workers", type=int, nargs="*", default=[64, 256, 1024], help="simulated cluster sizes")
     args = parser.parse_args()
@@ -209,7 +266,8 @@ def main() -> None:
         "python": platform.python_version(),
     }
     gloo_s = raw_gloo_round_trip(4, args.iters)
-    with atoll.LocalCluster(workers=8, threads_per_worker=1) as cluster, cluster.client() as client:
+    workers = max(4, *args.chains)  # the 4-stage chain of (a)-(c), and the longest of (d)
+    with atoll.LocalCluster(workers=workers, threads_per_worker=1) as cluster, cluster.client() as client:
         model, x = tiny(4)
         job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
         times = []
@@ -223,8 +281,16 @@ def main() -> None:
             "raw_gloo_chain": round(gloo_s * 1e3, 3),
             "ratio_atoll_over_raw": round(atoll_s / gloo_s, 2),
         }
+        first_losses = [job.step(x, x) for _ in range(3)]  # forward steps left the weights as they were
+        times = []
+        for _ in range(args.iters):
+            start = time.perf_counter()
+            job.step(x, x)
+            times.append(time.perf_counter() - start)
+        train_s = statistics.median(times[args.iters // 10 :])
         rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=n) for n in (1, 16)}
         report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
+        report["cpu_ms_per_tiny_step_by_process"] = cpu_by_process(cluster, job, x, args.steps)
         job.close()
         by_dispatch = {}
         for mode in ("parallel", "sequential"):
@@ -240,7 +306,7 @@ def main() -> None:
         }
         controller = cluster.controller.pid
         cpu = {}
-        for stages in (1, 2, 4, 8):
+        for stages in args.chains:
             model, x = tiny(stages)
             job = client.pipeline(
                 model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=stages, microbatches=1
@@ -255,6 +321,7 @@ def main() -> None:
             cpu[str(stages)] = round((_cpu_seconds(controller) - before) / args.steps * 1e3, 3)
             job.close()
         report["controller_cpu_ms_per_step_by_workers"] = cpu
+    report["ray_compiled_graphs_4_stage_ms"] = ray_side(args.iters, atoll_s, train_s, first_losses)
     if args.sim_workers:
         report["controller_cpu_ms_per_step_by_simulated_workers"] = simulated_dispatch(args.sim_workers, args.sim_steps)
     print(json.dumps(report, indent=1))

@@ -3,6 +3,10 @@ bytes each step moves, next to torch.distributed.pipelining (pipeline only) and 
 parallel only) on the same model, batch and process count. Prints one JSON object.
 
     python bench/layouts.py [--steps 6] [--rounds 2]
+    python bench/layouts.py --workers 2 --layers 2 --d-model 16 --steps 1 --rounds 1   # smallest (smoke test)
+
+With ``--workers N`` other than 8, only the two layouts that have a peer run: a pipeline of N
+stages (next to torch.distributed.pipelining) and N data-parallel replicas (next to DDP).
 
 Layouts (pipeline x tensor x data, ZeRO-1 or not, sequence-parallel or not): first those of the
 sharded-stages issue's acceptance on as many workers as they take (TP2, TP2 with sequence
@@ -45,7 +49,6 @@ import atoll  # noqa: E402
 from examples.gpt import lm_loss  # noqa: E402
 
 WORKERS = 8
-BLOCKS = 8  # the GPT example with 6 layers: embedding, 6 blocks, head
 MICROBATCHES = 8
 # (pipeline, tensor, data, zero, sequence parallel)
 LAYOUTS = [
@@ -99,7 +102,12 @@ class DdpSide(TorchSide):
     """DDP on 8 processes (gloo), each on its 1/8 of every batch: the DP-only peer."""
 
     def __init__(self, args):
-        self._start(_ddp_rank, WORKERS, (args,))
+        self._start(_ddp_rank, args.ranks, (args,))
+
+
+def blocks(args) -> int:
+    """The GPT example's blocks, the units pipelines are cut between: embedding, layers, head."""
+    return args.layers + 2
 
 
 def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int, sequence: int):
@@ -111,7 +119,9 @@ def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data
         loss_fn=lm_loss,
         stages=pipeline,
         microbatches=MICROBATCHES // data,
-        split_points=list(range(BLOCKS // pipeline, BLOCKS, BLOCKS // pipeline)),  # whole blocks, as torch's
+        split_points=list(
+            range(blocks(args) // pipeline, blocks(args), blocks(args) // pipeline)
+        ),  # whole blocks, as torch's
         schedule="1f1b",
         optimizer="sgd",
         optimizer_args={"lr": 0.01},
@@ -139,23 +149,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per round")
     parser.add_argument("--rounds", type=int, default=2, help="alternating atoll/peer rounds per layout")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=WORKERS, help="8: every layout; else the two with a peer")
+    parser.add_argument("--layers", type=int, default=6, help="GPT layers (pipelines cut between whole blocks)")
+    parser.add_argument("--d-model", type=int, default=64)
     args = parser.parse_args()
-    # the settings bench/pipeline.py's helpers read: the GPT example with 6 layers (8 blocks)
-    args.layers, args.d_model, args.heads, args.block_size, args.dtype = 6, 64, 4, 64, "float32"
-    args.batch, args.threads, args.microbatches, args.ranks = 32, 1, MICROBATCHES, WORKERS
+    # the other settings bench/pipeline.py's helpers read
+    args.heads, args.block_size, args.dtype = 4, 64, "float32"
+    args.batch, args.threads, args.microbatches, args.ranks = 32, 1, MICROBATCHES, args.workers
+    layouts = LAYOUTS if args.workers == WORKERS else [(args.workers, 1, 1, 0, 0), (1, 1, args.workers, 0, 0)]
     model, batches = make_setup(args)
     tokens = args.batch * args.block_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
-    with atoll.LocalCluster(workers=WORKERS, threads_per_worker=1) as cluster, cluster.client() as client:
-        for pipeline, tensor, data, zero, sequence in LAYOUTS:
+    with atoll.LocalCluster(workers=args.workers, threads_per_worker=1) as cluster, cluster.client() as client:
+        for pipeline, tensor, data, zero, sequence in layouts:
             job, run = measure_atoll(client, model, batches, args, pipeline, tensor, data, zero, sequence)
             workers = pipeline * tensor * data
             peer, peer_name = None, None
-            if workers < WORKERS or tensor > 1:  # torch has no peer of the same layout here
+            if workers < args.workers or tensor > 1:  # torch has no peer of the same layout here
                 pass
             elif data == 1:
-                per = BLOCKS // pipeline
+                per = blocks(args) // pipeline
                 stage_blocks = [list(range(s * per, (s + 1) * per)) for s in range(pipeline)]
                 peer, peer_name = TorchSide(args, "1f1b", 1, stage_blocks), "torch.distributed.pipelining 1F1B"
             elif pipeline == 1 and not zero:
@@ -187,7 +201,7 @@ def main() -> None:
                 row["peer_tokens_per_s"] = round(median(theirs) * tokens)
                 row["ratio_atoll_over_peer"] = round(median(ours) / median(theirs), 2)
                 if peer_name == "DDP":
-                    row["peer_all_reduced_total"] = params * WORKERS
+                    row["peer_all_reduced_total"] = params * args.workers
                 peer.close()
             job.close()
             rows.append(row)
@@ -195,7 +209,7 @@ def main() -> None:
     report = {
         "benchmark": "layouts",
         "device": "cpu",
-        "workers": WORKERS,
+        "workers": args.workers,
         "model": f"gpt layers={args.layers} d_model={args.d_model} params={params // 4}",
         "batch": f"{args.batch} x {args.block_size} tokens, {MICROBATCHES} microbatches",
         "steps_per_round": args.steps,

@@ -1,7 +1,6 @@
 """The benchmarks run at their smallest size, so a change that breaks one fails here (the figures
-themselves are not asserted: performance lives in the benchmarks' JSON). bench/layouts.py (8 workers,
-every layout) is covered by the layout tests it shares its helpers with, and bench/transport.py
-needs CUDA (tests/test_gpu.py)."""
+themselves are not asserted: performance lives in the benchmarks' JSON). bench/transport.py needs
+CUDA (tests/test_gpu.py)."""
 
 import json
 import subprocess
@@ -43,3 +42,39 @@ def test_dispatch_benchmarks_simulated_workers_register_load_and_step():
     measured = dispatch.simulated_dispatch([4], 1)
     assert set(measured["4"]) == {"direct", "relay"}
     assert all(m["steps_per_s"] > 0 for m in measured["4"].values())
+
+
+def _run_bench(script: str, *args: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=280
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_layouts_benchmark_runs_at_its_smallest_size():
+    """Two workers: a 2-stage pipeline next to torch.distributed.pipelining, 2 replicas next to DDP."""
+    report = _run_bench(
+        "layouts.py", "--workers", "2", "--layers", "2", "--d-model", "16", "--steps", "1", "--rounds", "1"
+    )
+    assert [(r["layout"], r["peer"]) for r in report["rows"]] == [
+        ("pp2 x tp1 x dp1", "torch.distributed.pipelining 1F1B"),
+        ("pp1 x tp1 x dp2", "DDP"),
+    ]
+    for row in report["rows"]:
+        assert row["atoll_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
+        assert row["bytes_per_step"]["equals_prediction"]
+
+
+def test_dispatch_benchmark_runs_at_its_smallest_size():
+    """Its parts on real workers (round trip, steps in flight, CPU per process, dispatch modes, CPU
+    per chain length) and Ray's side where ray is importable; the simulated part is the test above."""
+    report = _run_bench("dispatch.py", "--iters", "3", "--steps", "3", "--chains", "1", "--sim-workers")
+    assert report["round_trip_4_stage_ms"]["atoll_forward"] > 0
+    assert set(report["tiny_train_steps_per_s_by_steps_in_flight"]) == {"1", "16"}
+    by_process = report["cpu_ms_per_tiny_step_by_process"]
+    assert {"client", "controller", *(f"worker{i}" for i in range(4))} <= set(by_process)
+    assert by_process["total"] > 0
+    assert set(report["controller_cpu_ms_per_step_by_workers"]) == {"1"}
+    ray = report["ray_compiled_graphs_4_stage_ms"]  # the peer, where the `bench` extra is installed
+    assert ray["same_first_losses"] if isinstance(ray, dict) else "ray is not importable" in ray
