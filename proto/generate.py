@@ -1,11 +1,12 @@
-"""Regenerate the committed gRPC/protobuf modules from proto/atoll.proto.
+"""Regenerate the committed gRPC/protobuf modules from proto/*.proto.
 
     python proto/generate.py            # rewrite runtime/_rpc/ (installed as atoll._rpc)
     python proto/generate.py --out DIR  # write DIR/atoll/_rpc/ instead (the drift test compares)
 
 The virtual include path makes the generated code import ``atoll._rpc.atoll_pb2`` as a package
 module (the folder runtime/ is installed as the package ``atoll``, see pyproject.toml) rather than
-a top-level ``atoll_pb2``.
+a top-level ``atoll_pb2``. atoll.proto holds the two services and imports the message files
+publicly, so ``atoll_pb2`` re-exports every message.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ WELL_KNOWN = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.pr
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = "atoll/_rpc"  # the import path; the files live in runtime/_rpc
+SCHEMAS = ("common", "controller", "worker", "atoll")
+GENERATED = tuple(f"{name}_pb2.py" for name in SCHEMAS) + ("atoll_pb2_grpc.py",)
+"""The committed modules (the message files define no service, so they get no _grpc module)."""
 
 
 def generate(out_root: Path) -> Path:
@@ -33,7 +37,7 @@ def generate(out_root: Path) -> Path:
         f"-I{WELL_KNOWN}",
         f"--python_out={out_root}",
         f"--grpc_python_out={out_root}",
-        str(ROOT / "proto" / "atoll.proto"),
+        *(str(ROOT / "proto" / f"{name}.proto") for name in SCHEMAS),
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
@@ -50,7 +54,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             fresh = generate(Path(tmp))
             written = ROOT / "runtime" / "_rpc"
-            for name in ("atoll_pb2.py", "atoll_pb2_grpc.py"):
+            for name in GENERATED:
                 shutil.copyfile(fresh / name, written / name)
     print(f"wrote {written}", file=sys.stderr)
 

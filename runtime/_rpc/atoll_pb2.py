@@ -22,142 +22,23 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
+from atoll._rpc import common_pb2 as atoll_dot___rpc_dot_common__pb2
+from atoll._rpc import controller_pb2 as atoll_dot___rpc_dot_controller__pb2
+from atoll._rpc import worker_pb2 as atoll_dot___rpc_dot_worker__pb2
 
+from atoll._rpc.common_pb2 import *
+from atoll._rpc.controller_pb2 import *
+from atoll._rpc.worker_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61toll/_rpc/atoll.proto\x12\x08\x61toll.v1\x1a\x1cgoogle/protobuf/struct.proto\"8\n\nTensorData\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"A\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.atoll.v1.TensorData\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"?\n\x08\x45\x64geSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07tensors\x18\x02 \x03(\x0b\x32\x14.atoll.v1.TensorSpec\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"e\n\tRemoteRef\x12\x10\n\x08value_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04spec\x18\x04 \x01(\x0b\x32\x14.atoll.v1.TensorSpec\"Y\n\x0fPutValueRequest\x12$\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.atoll.v1.TensorData\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x10\n\x08value_id\x18\x03 \x01(\t\"\x07\n\x05\x45mpty\"\x8c\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12\x0e\n\x06island\x18\x06 \x01(\t\x12\x15\n\rvalue_address\x18\x07 \x01(\t\"^\n\x13RegisterWorkerReply\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x63ontroller_key\x18\x03 \x01(\t\"8\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\trss_bytes\x18\x02 \x01(\x03\"\x1e\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\xf9\x04\n\tJobConfig\x12\x0e\n\x06stages\x18\x01 \x01(\x05\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x10\n\x08schedule\x18\x03 \x01(\t\x12\x16\n\x0evirtual_stages\x18\x04 \x01(\x05\x12\x11\n\toptimizer\x18\x05 \x01(\t\x12/\n\x0eoptimizer_args\x18\x06 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08split_at\x18\x07 \x03(\t\x12\x15\n\rrematerialize\x18\x08 \x01(\x08\x12\x1c\n\x14\x64\x61ta_plane_timeout_s\x18\t \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x11\n\ttransport\x18\x0b \x01(\t\x12\x0c\n\x04name\x18\x0c \x01(\t\x12\x0f\n\x07islands\x18\r \x03(\t\x12\x11\n\texclusive\x18\x0e \x01(\x08\x12\x1b\n\x13\x61\x64mission_timeout_s\x18\x0f \x01(\x01\x12\x0e\n\x06weight\x18\x10 \x01(\x01\x12\x10\n\x08\x64ispatch\x18\x11 \x01(\t\x12\x15\n\rdata_parallel\x18\x12 \x01(\x05\x12\x0c\n\x04zero\x18\x13 \x01(\x05\x12\x17\n\x0ftensor_parallel\x18\x14 \x01(\x05\x12\x35\n\x14tensor_parallel_plan\x18\x15 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x19\n\x11sequence_parallel\x18\x16 \x01(\x08\x12\x13\n\x0bresume_from\x18\x17 \x01(\t\x12\x10\n\x08\x64\x65tached\x18\x18 \x01(\x08\x12\x13\n\x0b\x61uto_resume\x18\x19 \x01(\x08\x12\x18\n\x10\x63heckpoint_every\x18\x1a \x01(\x05\x12\x17\n\x0f\x63heckpoint_path\x18\x1b \x01(\t\"\xbc\x02\n\x0fPipelineProgram\x12\x15\n\rmodel_program\x18\x11 \x01(\x0c\x12\x14\n\x0closs_program\x18\x02 \x01(\x0c\x12!\n\x05input\x18\x0b \x01(\x0b\x32\x12.atoll.v1.EdgeSpec\x12\"\n\x06target\x18\x0c \x01(\x0b\x32\x12.atoll.v1.EdgeSpec\x12\x37\n\x07\x61liases\x18\x13 \x03(\x0b\x32&.atoll.v1.PipelineProgram.AliasesEntry\x12#\n\x06\x63onfig\x18\x14 \x01(\x0b\x32\x13.atoll.v1.JobConfig\x12\x0f\n\x07session\x18\x15 \x01(\t\x1a.\n\x0c\x41liasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x0bJ\x04\x08\r\x10\x11J\x04\x08\x12\x10\x13\"0\n\x0bSubmitReply\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tplan_json\x18\x02 \x01(\t\"\x9b\x02\n\x0bStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12%\n\x07targets\x18\x03 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\'\n\ninput_refs\x18\x06 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\x12(\n\x0btarget_refs\x18\x07 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\x12\x14\n\x0ckeep_outputs\x18\x08 \x01(\x08\x12\x14\n\x0cinput_ref_at\x18\t \x03(\x05\x12\x15\n\rtarget_ref_at\x18\n \x03(\x05\"\xa9\x01\n\tStepReply\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x19\n\x11microbatch_losses\x18\x02 \x03(\x01\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0bmemory_json\x18\x04 \x01(\t\x12%\n\x07outputs\x18\x05 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12)\n\x0ckept_outputs\x18\x06 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\"4\n\nStateReply\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.atoll.v1.NamedTensor\"\xbc\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\x1f\n\x17seconds_since_heartbeat\x18\x06 \x01(\x01\x12\x0c\n\x04jobs\x18\x07 \x03(\t\x12\x0b\n\x03pid\x18\x08 \x01(\x05\x12\x0e\n\x06island\x18\t \x01(\t\x12\x11\n\trss_bytes\x18\n \x01(\x03\"\x8f\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x03(\t\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x10\n\x08schedule\x18\x06 \x01(\t\x12\x0e\n\x06stages\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0bsteps_per_s\x18\t \x01(\x01\x12\x11\n\texclusive\x18\n \x01(\x08\x12\x10\n\x08has_loss\x18\x0b \x01(\x08\x12\x11\n\tlast_loss\x18\x0c \x01(\x01\x12\x1c\n\x14predicted_peak_bytes\x18\r \x01(\x03\x12\x1b\n\x13measured_peak_bytes\x18\x0e \x01(\x03\"r\n\rQueuedRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05ranks\x18\x02 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07islands\x18\x04 \x03(\t\x12\x11\n\texclusive\x18\x05 \x01(\x08\x12\x10\n\x08waited_s\x18\x06 \x01(\x01\"\x1c\n\rStatusRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\"}\n\x0bStatusReply\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.atoll.v1.WorkerInfo\x12\x1f\n\x04jobs\x18\x02 \x03(\x0b\x32\x11.atoll.v1.JobInfo\x12&\n\x05queue\x18\x03 \x03(\x0b\x32\x17.atoll.v1.QueuedRequest\"1\n\tPlanReply\x12\x11\n\tplan_json\x18\x01 \x01(\t\x12\x11\n\tnext_step\x18\x02 \x01(\x03\">\n\x0fTimelineRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x03(\x03\x12\x0c\n\x04last\x18\x03 \x01(\x05\"L\n\nActionSpan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\x12\x0f\n\x07start_s\x18\x03 \x01(\x01\x12\r\n\x05\x65nd_s\x18\x04 \x01(\x01\"O\n\x0cStepTimeline\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12#\n\x05spans\x18\x03 \x03(\x0b\x32\x14.atoll.v1.ActionSpan\"^\n\x0eWorkerTimeline\x12%\n\x05steps\x18\x01 \x03(\x0b\x32\x16.atoll.v1.StepTimeline\x12\x0c\n\x04\x63pus\x18\x02 \x03(\x05\x12\x17\n\x0f\x63ompute_threads\x18\x03 \x01(\x05\"9\n\rTimelineReply\x12\x12\n\ntrace_json\x18\x01 \x01(\t\x12\x14\n\x0csummary_json\x18\x02 \x01(\t\"C\n\x05\x43hunk\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05sizes\x18\x03 \x03(\x03\x12\r\n\x05paths\x18\x04 \x03(\t\"\x7f\n\x11RendezvousRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x03(\t\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x0e\n\x06wait_s\x18\x07 \x01(\x01\"?\n\x0fRendezvousReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0e\n\x06number\x18\x03 \x01(\x03\"\x84\x01\n\x0cStageProgram\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x18\n\x10\x65xported_program\x18\x05 \x01(\x0c\x12!\n\x05input\x18\x03 \x01(\x0b\x32\x12.atoll.v1.EdgeSpec\x12\"\n\x06output\x18\x04 \x01(\x0b\x32\x12.atoll.v1.EdgeSpecJ\x04\x08\x02\x10\x03\"t\n\x0c\x44\x61taflowEdge\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\x12\x13\n\x0bsrc_indices\x18\x03 \x03(\x05\x12\x13\n\x0b\x64st_indices\x18\x04 \x03(\x05\x12 \n\x04spec\x18\x05 \x01(\x0b\x32\x12.atoll.v1.EdgeSpec\"Q\n\rTiedParameter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06stages\x18\x02 \x03(\x05\x12\"\n\x04spec\x18\x03 \x01(\x0b\x32\x14.atoll.v1.TensorSpec\"R\n\x0bInstruction\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x17\n\nmicrobatch\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_microbatch\"?\n\x08RecvSlot\x12%\n\x06\x61\x63tion\x18\x01 \x01(\x0b\x32\x15.atoll.v1.Instruction\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"I\n\rMeshDimension\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\r\n\x05index\x18\x03 \x01(\x05\x12\r\n\x05group\x18\x04 \x01(\t\"H\n\tMeshPlace\x12\x0e\n\x06worker\x18\x01 \x01(\x05\x12+\n\ndimensions\x18\x02 \x03(\x0b\x32\x17.atoll.v1.MeshDimension\"\xad\x01\n\x0eWorkerSettings\x12\x14\n\x0cmicrobatches\x18\x01 \x01(\x05\x12\x11\n\toptimizer\x18\x02 \x01(\t\x12/\n\x0eoptimizer_args\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x15\n\rrematerialize\x18\x04 \x01(\x08\x12\x0c\n\x04zero\x18\x05 \x01(\x08\x12\x1c\n\x14\x64\x61ta_plane_timeout_s\x18\x06 \x01(\x01\"\xa3\x04\n\x0fLoadPlanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04mesh\x18\x1f \x01(\x0b\x32\x13.atoll.v1.MeshPlace\x12*\n\x08settings\x18  \x01(\x0b\x32\x18.atoll.v1.WorkerSettings\x12\x17\n\x0fstore_namespace\x18\x1c \x01(\t\x12\x14\n\x0cstore_secret\x18\x1d \x01(\t\x12&\n\x06stages\x18\x06 \x03(\x0b\x32\x16.atoll.v1.StageProgram\x12\x14\n\x0closs_program\x18\x07 \x01(\x0c\x12&\n\x07\x61\x63tions\x18\x15 \x03(\x0b\x32\x15.atoll.v1.Instruction\x12\x13\n\x0bstage_ranks\x18\t \x03(\x05\x12&\n\nrecv_slots\x18\x0f \x03(\x0b\x32\x12.atoll.v1.RecvSlot\x12\x12\n\nnum_stages\x18\x10 \x01(\x05\x12\x10\n\x08gang_seq\x18\x11 \x01(\x03\x12\x12\n\ngang_floor\x18\x1e \x01(\x03\x12\x17\n\x0fpeer_transports\x18\x12 \x03(\t\x12%\n\x05\x65\x64ges\x18\x13 \x03(\x0b\x32\x16.atoll.v1.DataflowEdge\x12%\n\x04tied\x18\x14 \x03(\x0b\x32\x17.atoll.v1.TiedParameter\x12\x0e\n\x06groups\x18\x17 \x03(\tJ\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0fJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06J\x04\x08\x16\x10\x17J\x04\x08\x18\x10\x1cJ\x04\x08\x04\x10\x05\"(\n\rLoadPlanReply\x12\x17\n\x0fparameter_bytes\x18\x01 \x01(\x03\"\xc5\x02\n\x0eRunStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12$\n\x06inputs\x18\x03 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12%\n\x07targets\x18\x04 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12\x10\n\x08gang_seq\x18\x05 \x01(\x03\x12\x12\n\ngang_floor\x18\n \x01(\x03\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\'\n\ninput_refs\x18\x07 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\x12(\n\x0btarget_refs\x18\x08 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\x12\x14\n\x0ckeep_outputs\x18\t \x01(\x08\x12\x14\n\x0cinput_ref_at\x18\x0b \x03(\x05\x12\x15\n\rtarget_ref_at\x18\x0c \x03(\x05\"\x1a\n\x07Session\x12\x0f\n\x07session\x18\x01 \x01(\t\")\n\x0eKeepAliveReply\x12\x17\n\x0flease_timeout_s\x18\x01 \x01(\x01\"+\n\x0bSaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"8\n\tSaveReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"i\n\x10SaveStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08gang_seq\x18\x02 \x01(\x03\x12\x11\n\tdirectory\x18\x03 \x01(\t\x12\x0c\n\x04\x66ile\x18\x04 \x01(\t\x12\x12\n\ngang_floor\x18\x05 \x01(\x03\"8\n\x0bSavedTensor\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\">\n\x0eSaveStateReply\x12&\n\x07tensors\x18\x02 \x03(\x0b\x32\x15.atoll.v1.SavedTensorJ\x04\x08\x01\x10\x02\"5\n\x08ParamCut\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\x05\x12\x0e\n\x06\x62locks\x18\x03 \x03(\x03\"\x83\x01\n\x10LoadStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08gang_seq\x18\x02 \x01(\x03\x12\x11\n\tdirectory\x18\x03 \x01(\t\x12 \n\x04\x63uts\x18\x06 \x03(\x0b\x32\x12.atoll.v1.ParamCut\x12\x12\n\ngang_floor\x18\x05 \x01(\x03J\x04\x08\x04\x10\x05\"G\n\x0fGetStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08gang_seq\x18\x02 \x01(\x03\x12\x12\n\ngang_floor\x18\x03 \x01(\x03\"F\n\x0cRunStepEvent\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12%\n\x05reply\x18\x02 \x01(\x0b\x32\x16.atoll.v1.RunStepReply\"\x90\x01\n\x0cRunStepReply\x12\x19\n\x11microbatch_losses\x18\x01 \x03(\x01\x12\x13\n\x0bmemory_json\x18\x02 \x01(\t\x12%\n\x07outputs\x18\x03 \x03(\x0b\x32\x14.atoll.v1.TensorData\x12)\n\x0ckept_outputs\x18\x04 \x03(\x0b\x32\x13.atoll.v1.RemoteRef\"|\n\x0bGroupMember\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08gang_seq\x18\x02 \x01(\x03\x12\x12\n\ngang_floor\x18\x05 \x01(\x03\x12%\n\x03own\x18\x03 \x01(\x0b\x32\x18.atoll.v1.RunStepRequest\x12\x0f\n\x07subtree\x18\x04 \x01(\x05\"z\n\x13RunStepGroupRequest\x12(\n\x06\x63ommon\x18\x01 \x01(\x0b\x32\x18.atoll.v1.RunStepRequest\x12&\n\x07members\x18\x02 \x03(\x0b\x32\x15.atoll.v1.GroupMember\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"e\n\x0cMemberResult\x12%\n\x05reply\x18\x01 \x01(\x0b\x32\x16.atoll.v1.RunStepReply\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x11\n\tabandoned\x18\x04 \x01(\x08\"<\n\x11RunStepGroupReply\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.atoll.v1.MemberResult2\x9a\x08\n\nController\x12P\n\x0eRegisterWorker\x12\x1f.atoll.v1.RegisterWorkerRequest\x1a\x1d.atoll.v1.RegisterWorkerReply\x12\x41\n\tHeartbeat\x12\x1a.atoll.v1.HeartbeatRequest\x1a\x18.atoll.v1.HeartbeatReply\x12\x42\n\x0eSubmitPipeline\x12\x19.atoll.v1.PipelineProgram\x1a\x15.atoll.v1.SubmitReply\x12\x32\n\x04Step\x12\x15.atoll.v1.StepRequest\x1a\x13.atoll.v1.StepReply\x12\x32\n\x08GetState\x12\x10.atoll.v1.JobRef\x1a\x14.atoll.v1.StateReply\x12\x32\n\x04Save\x12\x15.atoll.v1.SaveRequest\x1a\x13.atoll.v1.SaveReply\x12\x38\n\tKeepAlive\x12\x11.atoll.v1.Session\x1a\x18.atoll.v1.KeepAliveReply\x12\x30\n\x07GetPlan\x12\x10.atoll.v1.JobRef\x1a\x13.atoll.v1.PlanReply\x12-\n\x08\x43loseJob\x12\x10.atoll.v1.JobRef\x1a\x0f.atoll.v1.Empty\x12\x38\n\x06Status\x12\x17.atoll.v1.StatusRequest\x1a\x15.atoll.v1.StatusReply\x12:\n\x08PutValue\x12\x19.atoll.v1.PutValueRequest\x1a\x13.atoll.v1.RemoteRef\x12\x35\n\x08GetValue\x12\x13.atoll.v1.RemoteRef\x1a\x14.atoll.v1.TensorData\x12\x31\n\tFreeValue\x12\x13.atoll.v1.RemoteRef\x1a\x0f.atoll.v1.Empty\x12\x44\n\nRendezvous\x12\x1b.atoll.v1.RendezvousRequest\x1a\x19.atoll.v1.RendezvousReply\x12/\n\x07\x43hunked\x12\x0f.atoll.v1.Chunk\x1a\x0f.atoll.v1.Chunk(\x01\x30\x01\x12\x38\n\x10\x44\x65registerWorker\x12\x13.atoll.v1.WorkerRef\x1a\x0f.atoll.v1.Empty\x12\x41\n\x0bGetTimeline\x12\x19.atoll.v1.TimelineRequest\x1a\x17.atoll.v1.TimelineReply\x12(\n\x04Ping\x12\x0f.atoll.v1.Empty\x1a\x0f.atoll.v1.Empty2\xbe\x06\n\x06Worker\x12>\n\x08LoadPlan\x12\x19.atoll.v1.LoadPlanRequest\x1a\x17.atoll.v1.LoadPlanReply\x12;\n\x07RunStep\x12\x18.atoll.v1.RunStepRequest\x1a\x16.atoll.v1.RunStepReply\x12\x43\n\rRunStepStream\x12\x18.atoll.v1.RunStepRequest\x1a\x16.atoll.v1.RunStepEvent0\x01\x12J\n\x0cRunStepGroup\x12\x1d.atoll.v1.RunStepGroupRequest\x1a\x1b.atoll.v1.RunStepGroupReply\x12;\n\x08GetState\x12\x19.atoll.v1.GetStateRequest\x1a\x14.atoll.v1.StateReply\x12\x41\n\tSaveState\x12\x1a.atoll.v1.SaveStateRequest\x1a\x18.atoll.v1.SaveStateReply\x12\x38\n\tLoadState\x12\x1a.atoll.v1.LoadStateRequest\x1a\x0f.atoll.v1.Empty\x12+\n\x06Unload\x12\x10.atoll.v1.JobRef\x1a\x0f.atoll.v1.Empty\x12(\n\x04Ping\x12\x0f.atoll.v1.Empty\x1a\x0f.atoll.v1.Empty\x12\x36\n\x08PutValue\x12\x19.atoll.v1.PutValueRequest\x1a\x0f.atoll.v1.Empty\x12\x35\n\x08GetValue\x12\x13.atoll.v1.RemoteRef\x1a\x14.atoll.v1.TensorData\x12\x31\n\tFreeValue\x12\x13.atoll.v1.RemoteRef\x1a\x0f.atoll.v1.Empty\x12/\n\x07\x43hunked\x12\x0f.atoll.v1.Chunk\x1a\x0f.atoll.v1.Chunk(\x01\x30\x01\x12\x42\n\x0bGetTimeline\x12\x19.atoll.v1.TimelineRequest\x1a\x18.atoll.v1.WorkerTimelineb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x61toll/_rpc/atoll.proto\x12\x08\x61toll.v1\x1a\x17\x61toll/_rpc/common.proto\x1a\x1b\x61toll/_rpc/controller.proto\x1a\x17\x61toll/_rpc/worker.proto2\x9a\x08\n\nController\x12P\n\x0eRegisterWorker\x12\x1f.atoll.v1.RegisterWorkerRequest\x1a\x1d.atoll.v1.RegisterWorkerReply\x12\x41\n\tHeartbeat\x12\x1a.atoll.v1.HeartbeatRequest\x1a\x18.atoll.v1.HeartbeatReply\x12\x42\n\x0eSubmitPipeline\x12\x19.atoll.v1.PipelineProgram\x1a\x15.atoll.v1.SubmitReply\x12\x32\n\x04Step\x12\x15.atoll.v1.StepRequest\x1a\x13.atoll.v1.StepReply\x12\x32\n\x08GetState\x12\x10.atoll.v1.JobRef\x1a\x14.atoll.v1.StateReply\x12\x32\n\x04Save\x12\x15.atoll.v1.SaveRequest\x1a\x13.atoll.v1.SaveReply\x12\x38\n\tKeepAlive\x12\x11.atoll.v1.Session\x1a\x18.atoll.v1.KeepAliveReply\x12\x30\n\x07GetPlan\x12\x10.atoll.v1.JobRef\x1a\x13.atoll.v1.PlanReply\x12-\n\x08\x43loseJob\x12\x10.atoll.v1.JobRef\x1a\x0f.atoll.v1.Empty\x12\x38\n\x06Status\x12\x17.atoll.v1.StatusRequest\x1a\x15.atoll.v1.StatusReply\x12:\n\x08PutValue\x12\x19.atoll.v1.PutValueRequest\x1a\x13.atoll.v1.RemoteRef\x12\x35\n\x08GetValue\x12\x13.atoll.v1.RemoteRef\x1a\x14.atoll.v1.TensorData\x12\x31\n\tFreeValue\x12\x13.atoll.v1.RemoteRef\x1a\x0f.atoll.v1.Empty\x12\x44\n\nRendezvous\x12\x1b.atoll.v1.RendezvousRequest\x1a\x19.atoll.v1.RendezvousReply\x12/\n\x07\x43hunked\x12\x0f.atoll.v1.Chunk\x1a\x0f.atoll.v1.Chunk(\x01\x30\x01\x12\x38\n\x10\x44\x65registerWorker\x12\x13.atoll.v1.WorkerRef\x1a\x0f.atoll.v1.Empty\x12\x41\n\x0bGetTimeline\x12\x19.atoll.v1.TimelineRequest\x1a\x17.atoll.v1.TimelineReply\x12(\n\x04Ping\x12\x0f.atoll.v1.Empty\x1a\x0f.atoll.v1.Empty2\xbe\x06\n\x06Worker\x12>\n\x08LoadPlan\x12\x19.atoll.v1.LoadPlanRequest\x1a\x17.atoll.v1.LoadPlanReply\x12;\n\x07RunStep\x12\x18.atoll.v1.RunStepRequest\x1a\x16.atoll.v1.RunStepReply\x12\x43\n\rRunStepStream\x12\x18.atoll.v1.RunStepRequest\x1a\x16.atoll.v1.RunStepEvent0\x01\x12J\n\x0cRunStepGroup\x12\x1d.atoll.v1.RunStepGroupRequest\x1a\x1b.atoll.v1.RunStepGroupReply\x12;\n\x08GetState\x12\x19.atoll.v1.GetStateRequest\x1a\x14.atoll.v1.StateReply\x12\x41\n\tSaveState\x12\x1a.atoll.v1.SaveStateRequest\x1a\x18.atoll.v1.SaveStateReply\x12\x38\n\tLoadState\x12\x1a.atoll.v1.LoadStateRequest\x1a\x0f.atoll.v1.Empty\x12+\n\x06Unload\x12\x10.atoll.v1.JobRef\x1a\x0f.atoll.v1.Empty\x12(\n\x04Ping\x12\x0f.atoll.v1.Empty\x1a\x0f.atoll.v1.Empty\x12\x36\n\x08PutValue\x12\x19.atoll.v1.PutValueRequest\x1a\x0f.atoll.v1.Empty\x12\x35\n\x08GetValue\x12\x13.atoll.v1.RemoteRef\x1a\x14.atoll.v1.TensorData\x12\x31\n\tFreeValue\x12\x13.atoll.v1.RemoteRef\x1a\x0f.atoll.v1.Empty\x12/\n\x07\x43hunked\x12\x0f.atoll.v1.Chunk\x1a\x0f.atoll.v1.Chunk(\x01\x30\x01\x12\x42\n\x0bGetTimeline\x12\x19.atoll.v1.TimelineRequest\x1a\x18.atoll.v1.WorkerTimelineP\x00P\x01P\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'atoll._rpc.atoll_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PIPELINEPROGRAM_ALIASESENTRY']._loaded_options = None
-  _globals['_PIPELINEPROGRAM_ALIASESENTRY']._serialized_options = b'8\001'
-  _globals['_TENSORDATA']._serialized_start=66
-  _globals['_TENSORDATA']._serialized_end=122
-  _globals['_NAMEDTENSOR']._serialized_start=124
-  _globals['_NAMEDTENSOR']._serialized_end=189
-  _globals['_TENSORSPEC']._serialized_start=191
-  _globals['_TENSORSPEC']._serialized_end=233
-  _globals['_EDGESPEC']._serialized_start=235
-  _globals['_EDGESPEC']._serialized_end=298
-  _globals['_JOBREF']._serialized_start=300
-  _globals['_JOBREF']._serialized_end=324
-  _globals['_REMOTEREF']._serialized_start=326
-  _globals['_REMOTEREF']._serialized_end=427
-  _globals['_PUTVALUEREQUEST']._serialized_start=429
-  _globals['_PUTVALUEREQUEST']._serialized_end=518
-  _globals['_EMPTY']._serialized_start=520
-  _globals['_EMPTY']._serialized_end=527
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=530
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=670
-  _globals['_REGISTERWORKERREPLY']._serialized_start=672
-  _globals['_REGISTERWORKERREPLY']._serialized_end=766
-  _globals['_HEARTBEATREQUEST']._serialized_start=768
-  _globals['_HEARTBEATREQUEST']._serialized_end=824
-  _globals['_WORKERREF']._serialized_start=826
-  _globals['_WORKERREF']._serialized_end=856
-  _globals['_HEARTBEATREPLY']._serialized_start=858
-  _globals['_HEARTBEATREPLY']._serialized_end=889
-  _globals['_JOBCONFIG']._serialized_start=892
-  _globals['_JOBCONFIG']._serialized_end=1525
-  _globals['_PIPELINEPROGRAM']._serialized_start=1528
-  _globals['_PIPELINEPROGRAM']._serialized_end=1844
-  _globals['_PIPELINEPROGRAM_ALIASESENTRY']._serialized_start=1774
-  _globals['_PIPELINEPROGRAM_ALIASESENTRY']._serialized_end=1820
-  _globals['_SUBMITREPLY']._serialized_start=1846
-  _globals['_SUBMITREPLY']._serialized_end=1894
-  _globals['_STEPREQUEST']._serialized_start=1897
-  _globals['_STEPREQUEST']._serialized_end=2180
-  _globals['_STEPREPLY']._serialized_start=2183
-  _globals['_STEPREPLY']._serialized_end=2352
-  _globals['_STATEREPLY']._serialized_start=2354
-  _globals['_STATEREPLY']._serialized_end=2406
-  _globals['_WORKERINFO']._serialized_start=2409
-  _globals['_WORKERINFO']._serialized_end=2597
-  _globals['_JOBINFO']._serialized_start=2600
-  _globals['_JOBINFO']._serialized_end=2871
-  _globals['_QUEUEDREQUEST']._serialized_start=2873
-  _globals['_QUEUEDREQUEST']._serialized_end=2987
-  _globals['_STATUSREQUEST']._serialized_start=2989
-  _globals['_STATUSREQUEST']._serialized_end=3017
-  _globals['_STATUSREPLY']._serialized_start=3019
-  _globals['_STATUSREPLY']._serialized_end=3144
-  _globals['_PLANREPLY']._serialized_start=3146
-  _globals['_PLANREPLY']._serialized_end=3195
-  _globals['_TIMELINEREQUEST']._serialized_start=3197
-  _globals['_TIMELINEREQUEST']._serialized_end=3259
-  _globals['_ACTIONSPAN']._serialized_start=3261
-  _globals['_ACTIONSPAN']._serialized_end=3337
-  _globals['_STEPTIMELINE']._serialized_start=3339
-  _globals['_STEPTIMELINE']._serialized_end=3418
-  _globals['_WORKERTIMELINE']._serialized_start=3420
-  _globals['_WORKERTIMELINE']._serialized_end=3514
-  _globals['_TIMELINEREPLY']._serialized_start=3516
-  _globals['_TIMELINEREPLY']._serialized_end=3573
-  _globals['_CHUNK']._serialized_start=3575
-  _globals['_CHUNK']._serialized_end=3642
-  _globals['_RENDEZVOUSREQUEST']._serialized_start=3644
-  _globals['_RENDEZVOUSREQUEST']._serialized_end=3771
-  _globals['_RENDEZVOUSREPLY']._serialized_start=3773
-  _globals['_RENDEZVOUSREPLY']._serialized_end=3836
-  _globals['_STAGEPROGRAM']._serialized_start=3839
-  _globals['_STAGEPROGRAM']._serialized_end=3971
-  _globals['_DATAFLOWEDGE']._serialized_start=3973
-  _globals['_DATAFLOWEDGE']._serialized_end=4089
-  _globals['_TIEDPARAMETER']._serialized_start=4091
-  _globals['_TIEDPARAMETER']._serialized_end=4172
-  _globals['_INSTRUCTION']._serialized_start=4174
-  _globals['_INSTRUCTION']._serialized_end=4256
-  _globals['_RECVSLOT']._serialized_start=4258
-  _globals['_RECVSLOT']._serialized_end=4321
-  _globals['_MESHDIMENSION']._serialized_start=4323
-  _globals['_MESHDIMENSION']._serialized_end=4396
-  _globals['_MESHPLACE']._serialized_start=4398
-  _globals['_MESHPLACE']._serialized_end=4470
-  _globals['_WORKERSETTINGS']._serialized_start=4473
-  _globals['_WORKERSETTINGS']._serialized_end=4646
-  _globals['_LOADPLANREQUEST']._serialized_start=4649
-  _globals['_LOADPLANREQUEST']._serialized_end=5196
-  _globals['_LOADPLANREPLY']._serialized_start=5198
-  _globals['_LOADPLANREPLY']._serialized_end=5238
-  _globals['_RUNSTEPREQUEST']._serialized_start=5241
-  _globals['_RUNSTEPREQUEST']._serialized_end=5566
-  _globals['_SESSION']._serialized_start=5568
-  _globals['_SESSION']._serialized_end=5594
-  _globals['_KEEPALIVEREPLY']._serialized_start=5596
-  _globals['_KEEPALIVEREPLY']._serialized_end=5637
-  _globals['_SAVEREQUEST']._serialized_start=5639
-  _globals['_SAVEREQUEST']._serialized_end=5682
-  _globals['_SAVEREPLY']._serialized_start=5684
-  _globals['_SAVEREPLY']._serialized_end=5740
-  _globals['_SAVESTATEREQUEST']._serialized_start=5742
-  _globals['_SAVESTATEREQUEST']._serialized_end=5847
-  _globals['_SAVEDTENSOR']._serialized_start=5849
-  _globals['_SAVEDTENSOR']._serialized_end=5905
-  _globals['_SAVESTATEREPLY']._serialized_start=5907
-  _globals['_SAVESTATEREPLY']._serialized_end=5969
-  _globals['_PARAMCUT']._serialized_start=5971
-  _globals['_PARAMCUT']._serialized_end=6024
-  _globals['_LOADSTATEREQUEST']._serialized_start=6027
-  _globals['_LOADSTATEREQUEST']._serialized_end=6158
-  _globals['_GETSTATEREQUEST']._serialized_start=6160
-  _globals['_GETSTATEREQUEST']._serialized_end=6231
-  _globals['_RUNSTEPEVENT']._serialized_start=6233
-  _globals['_RUNSTEPEVENT']._serialized_end=6303
-  _globals['_RUNSTEPREPLY']._serialized_start=6306
-  _globals['_RUNSTEPREPLY']._serialized_end=6450
-  _globals['_GROUPMEMBER']._serialized_start=6452
-  _globals['_GROUPMEMBER']._serialized_end=6576
-  _globals['_RUNSTEPGROUPREQUEST']._serialized_start=6578
-  _globals['_RUNSTEPGROUPREQUEST']._serialized_end=6700
-  _globals['_MEMBERRESULT']._serialized_start=6702
-  _globals['_MEMBERRESULT']._serialized_end=6803
-  _globals['_RUNSTEPGROUPREPLY']._serialized_start=6805
-  _globals['_RUNSTEPGROUPREPLY']._serialized_end=6865
-  _globals['_CONTROLLER']._serialized_start=6868
-  _globals['_CONTROLLER']._serialized_end=7918
-  _globals['_WORKER']._serialized_start=7921
-  _globals['_WORKER']._serialized_end=8751
+  _globals['_CONTROLLER']._serialized_start=116
+  _globals['_CONTROLLER']._serialized_end=1166
+  _globals['_WORKER']._serialized_start=1169
+  _globals['_WORKER']._serialized_end=1999
 # @@protoc_insertion_point(module_scope)
