@@ -160,7 +160,9 @@ def _start_simulated(cluster: atoll.LocalCluster, workers: int) -> list[subproce
         ready = cluster.log_dir / f"sim{i}.ready"
         args = ["--controller", cluster.address, "--token-file", str(cluster.log_dir / "token"), "--count", str(count)]
         args += ["--ready-file", str(ready), "--exit-with-parent", str(os.getpid())]
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).with_name("sim_workers.py")), *args]))
+        script = str(Path(__file__).with_name("sim_workers.py"))
+        # their banner goes to stderr: stdout carries only the report's JSON
+        procs.append(subprocess.Popen([sys.executable, script, *args], stdout=sys.stderr))
     deadline = time.monotonic() + 120
     for i, proc in enumerate(procs):
         while not (cluster.log_dir / f"sim{i}.ready").exists():
