@@ -78,3 +78,19 @@ def test_dispatch_benchmark_runs_at_its_smallest_size():
     assert set(report["controller_cpu_ms_per_step_by_workers"]) == {"1"}
     ray = report["ray_compiled_graphs_4_stage_ms"]  # the peer, where the `bench` extra is installed
     assert ray["same_first_losses"] if isinstance(ray, dict) else "ray is not importable" in ray
+
+
+def test_profile_benchmark_runs_at_its_smallest_size():
+    """bench/step_profile.py for one second: CPU per step of every process, and py-spy's split of each
+    process's samples (py-spy is in the test extra; where it may not attach, the report says why)."""
+    report = _run_bench("step_profile.py", "--seconds", "1", "--rate", "50")
+    names = {"client", "controller", *(f"worker{i}" for i in range(4))}
+    assert report["steps"] > 0 and names <= set(report["cpu_ms_per_step"])
+    assert report["cpu_ms_per_step"]["total"] > 0
+    if "py_spy" in report:
+        assert not report["processes"] or set(report["processes"]) < names, report["py_spy"]
+        return
+    assert set(report["processes"]) == names
+    for name, split in report["processes"].items():
+        parts = {k: v for k, v in split.items() if k not in ("samples", "executor_inclusive")}
+        assert split["samples"] > 0 and sum(parts.values()) == pytest.approx(1.0, abs=0.01), (name, split)
