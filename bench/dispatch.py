@@ -9,7 +9,9 @@
     training step (``job.step``) on the same chain;
 (b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``),
     and the CPU time per step (16 in flight) of every process: the client, the controller and
-    each worker (the four without a stage show what idling beside costs);
+    each worker (the four without a stage show what idling beside costs); then the same steps
+    sent 4 and 16 to a call (``job.steps_async``, 2 calls in flight), and the CPU per step by
+    process at 16 to a call;
 (c) tiny training steps per second through the 4-stage chain with parallel dispatch (a step goes
     to all ranks at once) and with ``dispatch="sequential"`` (each rank only once the previous
     has started the step), 16 steps in flight, and their ratio;
@@ -114,21 +116,31 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _steps_per_s(job, x, steps: int, in_flight: int) -> float:
+def _run_steps(job, x, steps: int, per_call: int = 1) -> int:
+    """Send ``steps`` tiny training steps (``per_call`` to a ``steps_async`` call) and wait for
+    them all; returns how many were sent (a multiple of ``per_call``)."""
+    if per_call == 1:
+        futures = [job.step_async(x, x) for _ in range(steps)]
+    else:
+        futures = [f for _ in range(max(1, steps // per_call)) for f in job.steps_async([(x, x)] * per_call)]
+    for f in futures:
+        f.result()
+    return len(futures)
+
+
+def _steps_per_s(job, x, steps: int, in_flight: int, per_call: int = 1) -> float:
     job.max_in_flight = in_flight
     for _ in range(10):
         job.step(x, x)
     start = time.perf_counter()
-    futures = [job.step_async(x, x) for _ in range(steps)]
-    for f in futures:
-        f.result()
-    return round(steps / (time.perf_counter() - start), 1)
+    sent = _run_steps(job, x, steps, per_call)
+    return round(sent / (time.perf_counter() - start), 1)
 
 
-def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: int = 16) -> dict:
+def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: int = 16, per_call: int = 1) -> dict:
     """CPU milliseconds per tiny training step in each process (client, controller, every worker
-    of the cluster), ``in_flight`` steps in flight; what each spent while idle over a window just
-    before is subtracted (heartbeats, polling)."""
+    of the cluster), ``in_flight`` calls of ``per_call`` steps in flight; what each spent while
+    idle over a window just before is subtracted (heartbeats, polling)."""
     pids = {"client": os.getpid(), "controller": cluster.controller.pid}
     pids |= {f"worker{i}": p.pid for i, p in enumerate(cluster.workers)}
     job.max_in_flight = in_flight
@@ -138,8 +150,7 @@ def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: i
     time.sleep(IDLE_WINDOW_S / 5)
     idle_per_s = {name: (_cpu_seconds(pid) - before[name]) / (IDLE_WINDOW_S / 5) for name, pid in pids.items()}
     before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
-    for f in [job.step_async(x, x) for _ in range(steps)]:
-        f.result()
+    steps = _run_steps(job, x, steps, per_call)
     wall = time.perf_counter() - start
     ms = {
         name: round(max(0.0, _cpu_seconds(pid) - before[name] - idle_per_s[name] * wall) / steps * 1e3, 3)
@@ -293,6 +304,11 @@ def main() -> None:
         rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=n) for n in (1, 16)}
         report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
         report["cpu_ms_per_tiny_step_by_process"] = cpu_by_process(cluster, job, x, args.steps)
+        rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=2, per_call=n) for n in (4, 16)}
+        report["tiny_train_steps_per_s_sent_together_by_steps_per_call"] = rates
+        report["cpu_ms_per_tiny_step_by_process_16_per_call"] = cpu_by_process(
+            cluster, job, x, args.steps, in_flight=2, per_call=16
+        )
         job.close()
         by_dispatch = {}
         for mode in ("parallel", "sequential"):

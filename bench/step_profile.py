@@ -1,9 +1,10 @@
 """Where a tiny training step's CPU goes, process by process. Prints one JSON object.
 
-    python bench/step_profile.py [--seconds 10] [--in-flight 16]
+    python bench/step_profile.py [--seconds 10] [--in-flight 16] [--per-call 1]
 
 Starts a local cluster of 4 workers, loads the tiny 4-stage chain of bench/dispatch.py and keeps
-``--in-flight`` training steps in flight for ``--seconds``, while py-spy (the ``bench`` extra, or
+``--in-flight`` calls of ``--per-call`` training steps each (``Job.steps_async`` above 1) in
+flight for ``--seconds``, while py-spy (the ``bench`` extra, or
 ``pip install py-spy``) samples every process: the client (this process), the controller and each
 worker. For each process it reports the CPU milliseconds per step (from /proc, so exact) and how
 its samples split by the innermost Python frame's home:
@@ -80,10 +81,10 @@ def shares(raw: Path) -> dict:
     return {"samples": total, **out}
 
 
-def profile(seconds: float, in_flight: int, rate: int, raw_dir: str | None = None) -> dict:
+def profile(seconds: float, in_flight: int, rate: int, raw_dir: str | None = None, per_call: int = 1) -> dict:
     model, x = tiny(4)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    report: dict = {"seconds": seconds, "in_flight": in_flight}
+    report: dict = {"seconds": seconds, "in_flight": in_flight, "steps_per_call": per_call}
     with atoll.LocalCluster(workers=4, threads_per_worker=1) as cluster, cluster.client() as client:
         job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
         pids = {"client": os.getpid(), "controller": cluster.controller.pid}
@@ -104,15 +105,13 @@ def profile(seconds: float, in_flight: int, rate: int, raw_dir: str | None = Non
         else:
             report["py_spy"] = "not installed (pip install py-spy): CPU figures only"
         before, start, steps = {n: _cpu_seconds(p) for n, p in pids.items()}, time.perf_counter(), 0
-        pending = collections.deque()
+        pending = collections.deque()  # each entry: the futures of one call
         while time.perf_counter() - start < seconds:
-            pending.append(job.step_async(x, x))
+            pending.append([job.step_async(x, x)] if per_call == 1 else job.steps_async([(x, x)] * per_call))
             if len(pending) >= in_flight:
-                pending.popleft().result()
-                steps += 1
+                steps += len([f.result() for f in pending.popleft()])
         while pending:
-            pending.popleft().result()
-            steps += 1
+            steps += len([f.result() for f in pending.popleft()])
         wall = time.perf_counter() - start
         cpu = {n: (_cpu_seconds(p) - before[n]) / steps * 1e3 for n, p in pids.items()}
         errors = {}
@@ -142,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--raw-dir", help="keep py-spy's raw samples here, one file per process")
+    parser.add_argument("--per-call", type=int, default=1, help="steps sent together (Job.steps_async)")
     args = parser.parse_args(argv)
-    report = profile(args.seconds, args.in_flight, args.rate, args.raw_dir)
+    report = profile(args.seconds, args.in_flight, args.rate, args.raw_dir, args.per_call)
     print(json.dumps(report, indent=1))
     return report
 

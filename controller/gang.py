@@ -91,6 +91,22 @@ class Gang:
             self.leave(job)
             raise
 
+    def send_steps(self, job: Job, first: int, requests: list[pb.StepRequest], modes: list[str]):
+        """Send steps ``first``, ``first + 1``, ... (tensors only, none kept) as one RunSteps per
+        worker, in one gang position each; the replies are RunStepsReply, in worker order."""
+        parts: list[list[pb.RunStepRequest]] = [[] for _ in job.workers]
+        for seq, (request, mode) in enumerate(zip(requests, modes), start=first):
+            own, common = _step_requests(job, seq, request, mode, [], [])
+            for i, part in enumerate(parts):
+                part.append(own.get(i, common))
+        calls = [Call(w, "RunSteps", pb.RunStepsRequest(steps=part)) for w, part in zip(job.workers, parts)]
+        self.gate.enter(job.job_id, job.worker_ids, job.weight, steps=len(requests))
+        try:
+            return self.dispatch(calls, self.step_timeout_s * len(requests))
+        except BaseException:
+            self.leave(job)
+            raise
+
     def leave(self, job: Job) -> None:
         """A step sent by ``send_step`` has ended: the next one of another job may enter the gate."""
         self.gate.leave(job.job_id)

@@ -121,6 +121,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         return self.stepper.step(request)
 
     @rpc_handler
+    def Steps(self, request, context):
+        return self.stepper.steps(request)
+
+    @rpc_handler
     def GetState(self, request, context):
         return self.state.get_state(self.jobs.ready(request.job_id))
 

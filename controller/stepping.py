@@ -59,6 +59,16 @@ def check_step(job: Job, request: pb.StepRequest) -> str:
     return mode
 
 
+def _check_in_batch(job: Job, request: pb.StepRequest, seq: int) -> str:
+    """check_step for a step sent with others (Stepper.steps): numbered in turn, on tensors, kept nowhere."""
+    if request.seq and request.seq != seq:
+        raise InvalidInput(f"the steps of one call are consecutive: step {request.seq} came where {seq} was due")
+    mode = check_step(job, request)
+    if mode == "forward" or request.input_refs or request.target_refs:
+        raise InvalidInput("steps sent together are train or evaluate steps on tensors; send others one by one")
+    return mode
+
+
 @dataclass(kw_only=True, eq=False)
 class Stepper:
     STEP_ORDER_TIMEOUT_S: ClassVar[float] = 30.0
@@ -100,19 +110,60 @@ class Stepper:
             finally:
                 job.next_seq = seq + 1
                 job.order.notify_all()
-        try:  # waiting happens outside the order: the next step can be dispatched meanwhile
-            replies = pending.replies()
+        replies = self._replies(job, seq, pending)  # outside the order: the next step can go out meanwhile
+        return self._ended(job, seq, mode, replies, time.perf_counter() - started)
+
+    def steps(self, request: pb.StepsRequest) -> pb.StepsReply:
+        """Consecutive steps of one job in one call (Job.steps_async): all are checked before any
+        is sent (a bad one refuses the call and runs nothing), then each worker gets one RunSteps
+        with its part of every step, in one gang position. A job that sends steps another way
+        (auto_resume; relayed or sequential dispatch) runs them one by one, as separate steps."""
+        steps = list(request.steps)
+        if not steps or any(s.job_id != steps[0].job_id for s in steps):
+            raise InvalidInput("Steps takes one or more steps, all of one job")
+        job = self.jobs.ready(steps[0].job_id)
+        if job.auto_resume or job.dispatch_mode != "direct":
+            for s in steps:
+                check_step(job, s)
+            return pb.StepsReply(replies=[self.step(s) for s in steps])
+        with job.order:
+            first = steps[0].seq or job.next_seq
+            self.await_turn(job, first)
+            started = time.perf_counter()
+            try:  # refused steps use up their numbers, as a single step's does
+                job = self.jobs.ready(job.job_id)
+                modes = [_check_in_batch(job, s, seq) for seq, s in enumerate(steps, start=first)]
+                pending = self.gang.send_steps(job, first, steps, modes)
+            finally:
+                job.next_seq = first + len(steps)
+                job.order.notify_all()
+        replies = self._replies(job, first, pending)
+        seconds = (time.perf_counter() - started) / len(steps)
+        return pb.StepsReply(
+            replies=[
+                self._ended(job, first + i, mode, [r.replies[i] for r in replies], seconds)
+                for i, mode in enumerate(modes)
+            ]
+        )
+
+    def _replies(self, job: Job, seq: int, pending) -> list:
+        """The workers' replies to what went out as step ``seq``; a failure fails the job."""
+        try:
+            return pending.replies()
         except DispatchError as e:
             cause = self.gang.blame(job, e)
             raise self.lifecycle.step_failed(job, seq, cause) from None
         finally:
             self.gang.leave(job)
+
+    def _ended(self, job: Job, seq: int, mode: str, replies: list, seconds: float) -> pb.StepReply:
+        """Step ``seq`` ended well: count it, keep its loss for status, and build its reply."""
         if mode == "train":  # status counts training steps
             with job.order:
                 job.steps += 1
         reply = self.gang.step_reply(job, seq, replies)
         job.stepped(mode, reply.loss, replies)
-        self.metrics.step(job, mode, time.perf_counter() - started, replies)
+        self.metrics.step(job, mode, seconds, replies)
         return reply
 
     def await_turn(self, job: Job, seq: int) -> None:

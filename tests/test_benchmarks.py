@@ -75,6 +75,8 @@ def test_dispatch_benchmark_runs_at_its_smallest_size():
     by_process = report["cpu_ms_per_tiny_step_by_process"]
     assert {"client", "controller", *(f"worker{i}" for i in range(4))} <= set(by_process)
     assert by_process["total"] > 0
+    assert set(report["tiny_train_steps_per_s_sent_together_by_steps_per_call"]) == {"4", "16"}
+    assert report["cpu_ms_per_tiny_step_by_process_16_per_call"]["total"] > 0
     assert set(report["controller_cpu_ms_per_step_by_workers"]) == {"1"}
     ray = report["ray_compiled_graphs_4_stage_ms"]  # the peer, where the `bench` extra is installed
     assert ray["same_first_losses"] if isinstance(ray, dict) else "ray is not importable" in ray

@@ -49,8 +49,9 @@ class FairGate:
             if w is not me and not w.workers.isdisjoint(me.workers) and self._can_go(w)
         )
 
-    def enter(self, job_id: str, workers: frozenset[str], weight: float) -> None:
-        """Block until this step of ``job_id`` may be dispatched; call ``leave`` when it finishes."""
+    def enter(self, job_id: str, workers: frozenset[str], weight: float, steps: int = 1) -> None:
+        """Block until this step of ``job_id`` (or these ``steps`` sent as one, which advance the
+        job's virtual time as many steps do) may be dispatched; call ``leave`` when it finishes."""
         me = _Waiting(job_id, workers, weight)
         with self._cond:
             self._workers[job_id] = workers
@@ -64,7 +65,7 @@ class FairGate:
                     self._cond.wait()
             finally:
                 self._waiting.remove(me)
-            self._virtual[job_id] = self._virtual.get(job_id, 0.0) + 1.0 / weight
+            self._virtual[job_id] = self._virtual.get(job_id, 0.0) + steps / weight
             self._in_flight[job_id] = self._in_flight.get(job_id, 0) + 1
             self._cond.notify_all()
 

@@ -56,6 +56,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_controller__pb2.StepRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_controller__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.unary_unary(
+                '/atoll.v1.Controller/Steps',
+                request_serializer=atoll_dot___rpc_dot_controller__pb2.StepsRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_controller__pb2.StepsReply.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Controller/GetState',
                 request_serializer=atoll_dot___rpc_dot_common__pb2.JobRef.SerializeToString,
@@ -151,6 +156,13 @@ class ControllerServicer:
 
     def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request, context):
+        """several steps of one job in one call (Job.steps_async)
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -267,6 +279,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=atoll_dot___rpc_dot_controller__pb2.StepRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_controller__pb2.StepReply.SerializeToString,
+            ),
+            'Steps': grpc.unary_unary_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=atoll_dot___rpc_dot_controller__pb2.StepsRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_controller__pb2.StepsReply.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -447,6 +464,33 @@ class Controller:
             '/atoll.v1.Controller/Step',
             atoll_dot___rpc_dot_controller__pb2.StepRequest.SerializeToString,
             atoll_dot___rpc_dot_controller__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/Steps',
+            atoll_dot___rpc_dot_controller__pb2.StepsRequest.SerializeToString,
+            atoll_dot___rpc_dot_controller__pb2.StepsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -855,6 +899,11 @@ class WorkerStub:
                 request_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepReply.FromString,
                 _registered_method=True)
+        self.RunSteps = channel.unary_unary(
+                '/atoll.v1.Worker/RunSteps',
+                request_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepsRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepsReply.FromString,
+                _registered_method=True)
         self.RunStepStream = channel.unary_stream(
                 '/atoll.v1.Worker/RunStepStream',
                 request_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepRequest.SerializeToString,
@@ -928,6 +977,13 @@ class WorkerServicer:
 
     def RunStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunSteps(self, request, context):
+        """several steps in one gang position
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -1020,6 +1076,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunStep,
                     request_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepReply.SerializeToString,
+            ),
+            'RunSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunSteps,
+                    request_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepsRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepsReply.SerializeToString,
             ),
             'RunStepStream': grpc.unary_stream_rpc_method_handler(
                     servicer.RunStepStream,
@@ -1136,6 +1197,33 @@ class Worker:
             '/atoll.v1.Worker/RunStep',
             atoll_dot___rpc_dot_worker__pb2.RunStepRequest.SerializeToString,
             atoll_dot___rpc_dot_worker__pb2.RunStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/RunSteps',
+            atoll_dot___rpc_dot_worker__pb2.RunStepsRequest.SerializeToString,
+            atoll_dot___rpc_dot_worker__pb2.RunStepsReply.FromString,
             options,
             channel_credentials,
             insecure,

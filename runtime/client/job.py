@@ -43,9 +43,13 @@ class StepResult:
 class StepFuture:
     """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
 
-    def __init__(self, job: Job, future, mode: str = "train", reads: tuple[RemoteValue, ...] = ()):
+    def __init__(
+        self, job: Job, future, mode: str = "train", reads: tuple[RemoteValue, ...] = (), index: int | None = None
+    ):
         self._job = job
         self._future = future
+        """The call's gRPC future: a Step call's, or the Steps call this step went in (at ``index``)."""
+        self._index = index
         self._mode = mode
         self._result: StepResult | None = None
         self._reads = reads
@@ -61,7 +65,9 @@ class StepFuture:
         """The whole result: loss, microbatch losses, step number, per-rank measured memory."""
         if self._result is None:
             try:
-                reply = self._job._client._endpoint.resolve(self._future, "Step", timeout_s)
+                reply = self._job._client._endpoint.resolve(self._future, self._method, timeout_s)
+                if self._index is not None:
+                    reply = reply.replies[self._index]
             except JobFailed:
                 self._job.state = "failed"
                 raise
@@ -79,6 +85,10 @@ class StepFuture:
     def result(self, timeout_s: float | None = None) -> float:
         return self.details(timeout_s).loss
 
+    @property
+    def _method(self) -> str:
+        return "Step" if self._index is None else "Steps"
+
 
 class Job:
     """A pipeline loaded on the cluster: its plan, and its weights and optimizer state on the workers."""
@@ -92,7 +102,8 @@ class Job:
         "evaluate" or "forward"), with its loss, per-rank memory and data-plane bytes."""
         self._next_seq = next_step
         self.max_in_flight = self.MAX_IN_FLIGHT
-        """Steps sent and not yet finished; one more ``step_async`` waits for the oldest."""
+        """Calls sent and not yet finished (a step, or the steps of one ``steps_async``); one more
+        waits for the oldest."""
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
         self.state = "ready"
@@ -111,6 +122,38 @@ class Job:
         sending the next before this one finishes hides the control plane's latency (the
         controller dispatches it while the workers still run this one)."""
         return self._send("train", input, target)
+
+    def steps_async(self, batches) -> list[StepFuture]:
+        """Send several training steps, ``[(input, target), ...]``, in one call and return at once:
+        one future per step, in order. They run exactly as that many ``step_async`` calls would
+        (the same numbers, order and results), but the controller and every worker get them as
+        one message, so small steps pay the control plane's per-call cost once per call rather
+        than once per step (as Keras' ``steps_per_execution``). The controller checks every step
+        before any runs: a bad one refuses the call and runs nothing. Tensors only (remote values
+        go through ``step_async``); a failure fails the job, and so every step of the call."""
+        batches = list(batches)
+        if not batches:
+            raise InvalidInput("steps_async takes at least one (input, target) pair")
+        sent = []
+        for input, target in batches:
+            inputs, input_values, _ = _batch(input, "input")
+            targets, target_values, _ = _batch(target, "target")
+            if input_values or target_values:
+                raise InvalidInput("steps_async takes tensors; send a step on remote values with step_async")
+            sent.append((inputs, targets))
+        self._wait_for_window()
+        with self._lock:
+            first, self._next_seq = self._next_seq, self._next_seq + len(sent)
+            request = pb.StepsRequest(
+                steps=[
+                    pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=seq, mode="train")
+                    for seq, (inputs, targets) in enumerate(sent, start=first)
+                ]
+            )
+            future = self._client._endpoint.future("Steps", request, self._client.step_timeout_s * len(sent))
+            steps = [StepFuture(self, future, "train", index=i) for i in range(len(sent))]
+            self._pending += steps
+        return steps
 
     def evaluate(self, input, target) -> float:
         """The mean microbatch loss of a full batch with the weights after every step sent so
@@ -156,7 +199,8 @@ class Job:
         while True:
             with self._lock:
                 self._pending = [f for f in self._pending if not f.done()]
-                oldest = self._pending[0] if len(self._pending) >= self.max_in_flight else None
+                calls = len({id(f._future) for f in self._pending})  # the steps of one steps_async: one call
+                oldest = self._pending[0] if calls >= self.max_in_flight else None
             if oldest is None:
                 return
             try:
@@ -173,7 +217,10 @@ class Job:
         with self._lock:
             pending = list(self._pending)
         for future in pending:
-            future.details()
+            try:
+                future.details()
+            except Exception:  # its owner sees the error from its own future; a refused step changed nothing
+                pass
 
     def timeline(
         self, steps: list[int] | None = None, *, last: int = 1, path: str | os.PathLike | None = None

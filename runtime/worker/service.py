@@ -113,6 +113,13 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     @rpc_handler
     @controller_only
+    def RunSteps(self, request: pb.RunStepsRequest, context):
+        """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
+        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+            return pb.RunStepsReply(replies=[self._step(step) for step in request.steps])
+
+    @rpc_handler
+    @controller_only
     def RunStepGroup(self, request: pb.RunStepGroupRequest, context):
         """This worker's part of a step, and the other members' relayed to them (runtime/net/relay.py)."""
         return self.relay.run(request)

@@ -1,0 +1,79 @@
+"""Several steps in one call (Job.steps_async): the same steps as one by one, at a call's cost."""
+
+import pytest
+import torch
+
+import atoll
+from tests import models
+from tests.reference import assert_matches_reference, train_reference
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
+ADAMW = {"lr": 1e-3}
+
+
+def _mlp64(seed: int = 0):
+    """tests.models.mlp in float64, so that a mismatch with the reference is not rounding."""
+    model, batches, loss_fn = models.mlp(seed)
+    return model.double(), [(x.double(), y.double()) for x, y in batches], loss_fn
+
+
+@pytest.mark.parametrize("layout", [{"stages": 4}, {"stages": 2, "data_parallel": 2}], ids=["pp4", "pp2xdp2"])
+def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(client4, layout):
+    args = dict(microbatches=2, schedule="1f1b", optimizer="adamw", optimizer_args=ADAMW, **layout)
+    together, model, batches, loss_fn = models.submit(client4, make=_mlp64, **args)
+    one_by_one, *_ = models.submit(client4, make=_mlp64, **args)
+    try:
+        futures = together.steps_async(batches[:3]) + together.steps_async(batches[3:])
+        state = together.state_dict()
+        assert [f.details().step for f in futures] == [1, 2, 3, 4, 5] and together.last.step == 5
+        losses = [f.result() for f in futures]
+        singles = [one_by_one.step_async(x, y) for x, y in batches]
+        assert losses == [f.result() for f in singles]  # the same steps: bit for bit
+        single_state = one_by_one.state_dict()
+        assert all(torch.equal(state[k], single_state[k]) for k in state)
+        memory = futures[-1].details().memory
+        assert set(memory) == set(range(4)) and all(m["control_plane_tensor_bytes"] >= 0 for m in memory.values())
+    finally:
+        together.close()
+        one_by_one.close()
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=1e-12)
+
+
+def test_a_bad_step_among_several_refuses_the_call_and_runs_nothing(client4):
+    job, _, batches, _ = models.submit(client4, stages=2, microbatches=2)
+    try:
+        job.step(*batches[0])
+        before = job.state_dict()
+        (x, y), wrong = batches[1], (batches[2][0][:, :8], batches[2][1])
+        futures = job.steps_async([(x, y), wrong, (x, y)])
+        for future in futures:
+            with pytest.raises(atoll.InvalidInput, match="edge 'input': expected"):
+                future.result()
+        after = job.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing ran
+        refused = job.step_async(*wrong)  # alone, too: refused, and state_dict still answers
+        assert torch.equal(job.state_dict()[next(iter(before))], after[next(iter(before))])
+        with pytest.raises(atoll.InvalidInput, match="edge 'input': expected"):
+            refused.result()
+        assert job.step_async(x, y).details().step == 6  # the refused call used up steps 2 to 4, then 5
+        with pytest.raises(atoll.InvalidInput, match="at least one"):
+            job.steps_async([])
+    finally:
+        job.close()
+
+
+def test_steps_together_on_a_sequential_dispatch_job_run_one_by_one(client4):
+    """A job whose steps go out another way (here ``dispatch="sequential"``) takes them as
+    separate steps: the same results, the same numbers."""
+    job, model, batches, loss_fn = models.submit(client4, stages=4, microbatches=2, dispatch="sequential")
+    try:
+        futures = job.steps_async(batches)
+        losses = [f.result() for f in futures]
+        assert [f.details().step for f in futures] == [1, 2, 3, 4, 5]
+        state = job.state_dict()
+    finally:
+        job.close()
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "sgd", {})
+    assert_matches_reference(losses, state, ref_losses, ref_state)
