@@ -34,6 +34,12 @@ from atoll.net.rpc import chunked_method, rpc_handler
 log = logging.getLogger("atoll.controller")
 
 
+def _first_step(request: pb.StepsRequest) -> tuple[str, int | None]:
+    """The log context of several steps: their job and the first one's number."""
+    first = request.steps[0] if request.steps else pb.StepRequest()
+    return first.job_id, first.seq or None
+
+
 class ControllerService(pb_grpc.ControllerServicer):
     def __init__(
         self,
@@ -121,7 +127,9 @@ class ControllerService(pb_grpc.ControllerServicer):
         return self.stepper.step(request)
 
     @rpc_handler
+    @_log.in_context(_first_step)
     def Steps(self, request, context):
+        """Consecutive steps of one job in one call (Job.steps_async), as one RunSteps per worker."""
         return self.stepper.steps(request)
 
     @rpc_handler
@@ -155,6 +163,7 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def GetValue(self, request, context):
+        """A value's tensor, read from the worker that holds it."""
         return self.values.get(request)
 
     @rpc_handler

@@ -231,18 +231,23 @@ class QueuedRequest:
     """A job waiting in the admission queue for its workers."""
 
     name: str
+    """The job's name (``pipeline(..., name=...)``, else its model's class)."""
     ranks: int
     """How many workers it asks for."""
     device: str
     """The device kind its workers must have (cpu, cuda)."""
     islands: tuple[str, ...]
+    """Per rank, the island its worker must be on ("": any)."""
     exclusive: bool
+    """It asks for workers no other job uses."""
     waited_s: float
     """Seconds since it was queued."""
 
 
 @dataclass(frozen=True, slots=True)
 class JobStatus:
+    """A job as ``atoll status`` shows it."""
+
     job_id: str
     name: str
     state: str
