@@ -135,7 +135,11 @@ def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data
     def run(steps: int) -> tuple[float, float]:
         nonlocal step
         start = time.perf_counter()
-        futures = [job.step_async(*batches[(step + i) % len(batches)]) for i in range(steps)]
+        sent = [batches[(step + i) % len(batches)] for i in range(steps)]
+        if args.per_call > 1:  # Job.steps_async: per_call steps to a call
+            futures = [f for i in range(0, steps, args.per_call) for f in job.steps_async(sent[i : i + args.per_call])]
+        else:
+            futures = [job.step_async(*batch) for batch in sent]
         step += steps
         loss = [f.result() for f in futures][-1]
         return steps / (time.perf_counter() - start), loss
@@ -152,11 +156,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=WORKERS, help="8: every layout; else the two with a peer")
     parser.add_argument("--layers", type=int, default=6, help="GPT layers (pipelines cut between whole blocks)")
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--per-call", type=int, default=1, help="atoll's steps sent to a call (Job.steps_async)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="PxTxD", help="only these layouts, e.g. 1x1x8 8x1x1 (pp x tp x dp)"
+    )
     args = parser.parse_args()
     # the other settings bench/pipeline.py's helpers read
     args.heads, args.block_size, args.dtype = 4, 64, "float32"
     args.batch, args.threads, args.microbatches, args.ranks = 32, 1, MICROBATCHES, args.workers
     layouts = LAYOUTS if args.workers == WORKERS else [(args.workers, 1, 1, 0, 0), (1, 1, args.workers, 0, 0)]
+    if args.only:
+        layouts = [x for x in layouts if "x".join(map(str, x[:3])) in args.only and not any(x[3:])]
     model, batches = make_setup(args)
     tokens = args.batch * args.block_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
