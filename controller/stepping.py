@@ -124,7 +124,7 @@ class Stepper:
         job = self.jobs.ready(steps[0].job_id)
         if job.auto_resume or job.dispatch_mode != "direct":
             for s in steps:
-                check_step(job, s)
+                _check_in_batch(job, s, s.seq)
             return pb.StepsReply(replies=[self.step(s) for s in steps])
         with job.order:
             first = steps[0].seq or job.next_seq
