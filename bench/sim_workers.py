@@ -73,6 +73,7 @@ class SimulatedDaemon:
         self.address = f"127.0.0.1:{first}"
         self.island = island
         self._controller = Endpoint(controller, token, pb_grpc.ControllerStub, default_timeout_s=30.0)
+        self._token = token
         self._ids: list[str] = []
         self._interval = 1.0
         self._stop = threading.Event()
@@ -93,6 +94,8 @@ class SimulatedDaemon:
             self._ids.append(reply.worker_id)
             self.service.relay.use_controller_key(reply.controller_key)
             self._interval = reply.heartbeat_interval_s or 1.0
+        # heartbeats carry the key the controller gave at registration, as a real worker's do
+        self._beats = Endpoint(self._controller.address, self._token, pb_grpc.ControllerStub, 5.0, reply.controller_key)
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
 
     def _heartbeats(self) -> None:
@@ -104,7 +107,7 @@ class SimulatedDaemon:
                 if self._stop.wait(gap):
                     return
                 try:
-                    self._controller.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id), timeout_s=5.0)
+                    self._beats.call("Heartbeat", pb.HeartbeatRequest(worker_id=worker_id))
                 except AtollError as e:
                     log.warning("heartbeat of %s failed: %s", worker_id, e)
 
@@ -113,6 +116,7 @@ class SimulatedDaemon:
         self.server.stop(grace=1.0).wait(5.0)
         self.service.relay.close()
         self._controller.close()
+        self._beats.close()
 
 
 def main() -> None:

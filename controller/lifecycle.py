@@ -19,7 +19,7 @@ from atoll.controller.cluster.rendezvous import Rendezvous
 from atoll.controller.compiler.pipeline import CompiledPipeline
 from atoll.controller.jobs import Job, JobState, JobTable
 from atoll.controller.remote import RemoteValues
-from atoll.errors import JobFailed
+from atoll.errors import JobFailed, WorkerUnavailable
 
 log = logging.getLogger("atoll.controller")
 
@@ -73,6 +73,9 @@ class Lifecycle:
 
     def worker_died(self, record: WorkerRecord) -> None:
         log.warning("%s is dead: %s", record.describe(), record.death)
+        # A frozen worker's calls would hold their steps until the deadline (and a survivor's
+        # receive until the data plane's): they end now, and the step's error names the dead one.
+        self.dispatcher.abandon(record, WorkerUnavailable(f"declared dead ({record.death})"))
         self.values.table.drop_worker(record.worker_id)
         for job in self.jobs.on_worker(record):
             if job.auto_resume and job.state in (JobState.READY, JobState.LOADING):

@@ -102,7 +102,10 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def Heartbeat(self, request, context):
-        return pb.HeartbeatReply(known=self.registry.heartbeat(request.worker_id, request.rss_bytes))
+        """Known only with the key this controller gave at registration: a worker that registered
+        with an earlier controller (restarted on the same address) drops its jobs and registers again."""
+        mine = from_controller(context, self.controller_key)
+        return pb.HeartbeatReply(known=mine and self.registry.heartbeat(request.worker_id, request.rss_bytes))
 
     @rpc_handler
     def DeregisterWorker(self, request, context):

@@ -93,6 +93,7 @@ def test_profile_benchmark_runs_at_its_smallest_size():
         assert not report["processes"] or set(report["processes"]) < names, report["py_spy"]
         return
     assert set(report["processes"]) == names
-    for name, split in report["processes"].items():
+    assert sum(split["samples"] for split in report["processes"].values()) > 0
+    for name, split in report["processes"].items():  # a process may hold the GIL in no sample of a second
         parts = {k: v for k, v in split.items() if k not in ("samples", "executor_inclusive")}
-        assert split["samples"] > 0 and sum(parts.values()) == pytest.approx(1.0, abs=0.01), (name, split)
+        assert not split["samples"] or sum(parts.values()) == pytest.approx(1.0, abs=0.01), (name, split)

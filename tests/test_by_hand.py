@@ -191,3 +191,69 @@ def test_worker_registers_again_with_a_restarted_controller(tmp_path, daemons, r
     assert losses[-1] < losses[0]
     job.close()
     client.close()
+
+
+def test_a_restarted_controller_knows_each_worker_once_and_a_killed_one_as_dead(tmp_path, daemons):
+    """Issue 25's identity case, by hand: worker X (w0) is frozen while its controller is killed and
+    restarted on the same port, and a new worker Y registers first and gets w0. When X wakes, its
+    heartbeat carries the old controller's key, so the new one does not take it for w0: X registers
+    again as w1. Y killed is reported dead within the heartbeat timeout (X's heartbeats no longer
+    keep "w0" alive), and a second restart gives X its id back."""
+    import signal
+
+    import atoll
+
+    token = tmp_path / "token"
+    port = 0
+
+    def start(name: str, *args: str) -> str:
+        ready = tmp_path / f"{name}.ready"
+        cmd = [*ATOLL, *args, "--token-file", str(token), "--ready-file", str(ready)]
+        daemons.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT))
+        return wait_for_file(ready, daemons[-1])
+
+    def controller(name: str) -> tuple[subprocess.Popen, str]:
+        address = start(name, "controller", "--port", str(port), "--heartbeat-timeout", "3")
+        return daemons[-1], address
+
+    def workers(address: str, alive: int) -> dict[str, int]:
+        """id -> pid of the live workers, once ``alive`` are; every id listed once."""
+        deadline = time.monotonic() + 30
+        with atoll.connect(address, token_file=str(token)) as client:
+            while True:
+                listed = client.status().workers
+                live = {w.worker_id: w.pid for w in listed if w.alive}
+                if len(live) == alive:
+                    assert len({w.worker_id for w in listed}) == len(listed), listed
+                    return live
+                assert time.monotonic() < deadline, listed
+                time.sleep(0.2)
+
+    first, address = controller("first")
+    port = int(address.rsplit(":", 1)[1])
+    start("x", "worker", "--controller", address)
+    x = daemons[-1]
+    assert workers(address, 1) == {"w0": x.pid}
+
+    x.send_signal(signal.SIGSTOP)
+    try:
+        first.kill()
+        first.wait(10)
+        second, _ = controller("second")
+        start("y", "worker", "--controller", address)
+        y = daemons[-1]
+        assert workers(address, 1) == {"w0": y.pid}  # the new controller counts from w0
+    finally:
+        x.send_signal(signal.SIGCONT)
+    assert workers(address, 2) == {"w0": y.pid, "w1": x.pid}
+
+    y.kill()
+    y.wait(10)
+    killed = time.monotonic()
+    assert workers(address, 1) == {"w1": x.pid}
+    assert time.monotonic() - killed < 3 + 3  # heartbeat timeout, and a sweep's margin
+
+    second.kill()
+    second.wait(10)
+    controller("third")
+    assert workers(address, 1) == {"w1": x.pid}  # registering again, x keeps its id

@@ -57,3 +57,61 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, vic
         with pytest.raises(atoll.NotEnoughWorkers, match="needs 3 workers .* but 2 are alive"):
             models.submit(client, stages=3, microbatches=2)
         survivor.close()
+
+
+def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(record_property):
+    """A worker SIGSTOPped while its job steps is declared dead after the heartbeat timeout; the
+    step waiting on it then ends at once with an error naming it (the dead worker's call is
+    abandoned), not when a survivor's data-plane receive times out. A job on the other worker trains
+    throughout, and the worker, woken, registers again under its id."""
+    import os
+    import signal
+    import threading
+
+    timeout = 3.0
+    with atoll.LocalCluster(workers=4, heartbeat_timeout_s=timeout) as cluster, cluster.client() as client:
+        job, _, batches, _ = models.submit(client, stages=3, microbatches=2, name="frozen")
+        other, _, other_batches, _ = models.submit(client, seed=1, stages=1, microbatches=2, name="beside")
+        status = client.status()
+        placed = {j.job_id: j.workers for j in status.jobs}
+        assert not set(placed[job.id]) & set(placed[other.id])
+        pids = {w.worker_id: w.pid for w in status.workers}
+        victim = placed[job.id][1]
+        x, y = batches[0]
+        job.step(x, y)
+
+        beside, failures, stop = [], [], threading.Event()
+
+        def train_beside():
+            while not stop.is_set():
+                try:
+                    beside.append(other.step(*other_batches[0]))
+                except Exception as e:  # surfaced by the asserts below
+                    failures.append(e)
+                    return
+
+        trainer = threading.Thread(target=train_beside)
+        trainer.start()
+        os.kill(pids[victim], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(atoll.JobFailed, match=f"worker {victim} .*declared dead"):
+                job.step(x, y)
+            took = time.monotonic() - started
+            record_property("frozen_worker_step_failed_after_s", took)
+            # heartbeat timeout + 2 s, with room for a loaded machine; the data plane's deadline is 60 s
+            assert took < timeout + 2.0 + 5.0
+            before_waking = len(beside)
+        finally:
+            os.kill(pids[victim], signal.SIGCONT)
+
+        deadline = time.monotonic() + 30
+        while not any(w.worker_id == victim and w.alive for w in client.status().workers):
+            assert time.monotonic() < deadline, "the woken worker did not register again"
+            time.sleep(0.2)
+        assert {w.worker_id: w.pid for w in client.status().workers}[victim] == pids[victim]
+        stop.set()
+        trainer.join(60)
+        assert not failures and len(beside) > before_waking > 0
+        other.close()
+        job.close()

@@ -188,6 +188,14 @@ class Dispatcher:
             futures.append(in_thread(lambda s: next(s).reply, stream))
         return Pending(calls, futures)
 
+    STEP_METHODS = frozenset({"RunStep", "RunSteps", "RunStepGroup"})
+
+    def abandon(self, worker: WorkerRecord, error: AtollError) -> int:
+        """End the step calls in flight to ``worker`` now with ``error`` (it was declared dead).
+        Other calls keep their deadlines: a worker parsing a large plan may miss its heartbeats
+        and yet finish the load."""
+        return self._calls.abandon(worker.address, self.STEP_METHODS, error)
+
     def each(self, calls: list[Call], timeout_s: float) -> list[AtollError | object]:
         """Replies or errors in call order, waiting for all (for cleanup, where failures are expected)."""
         futures = self.submit(calls, timeout_s)._futures

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -65,12 +66,18 @@ class Registry:
             raise InvalidInput("a worker registers with its address and device")
         replaced = []
         with self._lock:
+            # A worker registering again keeps its id, unless another worker (another address)
+            # holds it now: after a controller restart, say, a new worker may have taken it first.
+            asked = req.worker_id if re.fullmatch(r"w[0-9]{1,9}", req.worker_id) else ""
+            holder = self._workers.get(asked) if asked else None
+            keep = asked and (holder is None or holder.address == req.address)
+            worker_id = asked if keep else self._new_id()
             # a worker restarted on the same address replaces its old record
             for old in self._workers.values():
                 if old.address == req.address and old.alive:
                     replaced.append(old)
             record = WorkerRecord(
-                worker_id=f"w{next(self._ids)}",
+                worker_id=worker_id,
                 address=req.address,
                 device=req.device,
                 host=req.host,
@@ -86,6 +93,13 @@ class Registry:
         for old in replaced:
             self.mark_dead(old, f"replaced by {record.worker_id} registering at the same address")
         return record
+
+    def _new_id(self) -> str:
+        """A fresh id: the counter never repeats one, and it skips the ids workers kept (a dead
+        worker's id is never given to another)."""
+        while (worker_id := f"w{next(self._ids)}") in self._workers:
+            pass
+        return worker_id
 
     def heartbeat(self, worker_id: str, rss_bytes: int = 0) -> bool:
         with self._lock:

@@ -226,6 +226,9 @@ class AsyncCalls:
         self._stub_class = stub_class
         self._service = _service_of(stub_class)
         self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}
+        self._in_flight: dict[str, dict[futures.Future, tuple[str, futures.Future]]] = {}
+        """Per address, the futures handed out for calls in flight -> (method, the call's own future)."""
+        self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
@@ -235,8 +238,39 @@ class AsyncCalls:
         self._metadata = call_metadata(self._token, key)
 
     def call(self, address: str, method: str, request, timeout_s: float) -> futures.Future:
-        """Start the call now; a Future of its reply, or of its atoll error."""
-        return asyncio.run_coroutine_threadsafe(self._call(address, method, request, timeout_s), self._loop)
+        """Start the call now; a Future of its reply, or of its atoll error (or of ``abandon``'s)."""
+        handed = futures.Future()
+        running = asyncio.run_coroutine_threadsafe(self._call(address, method, request, timeout_s), self._loop)
+        with self._lock:
+            self._in_flight.setdefault(address, {})[handed] = (method, running)
+
+        def ended(call: futures.Future) -> None:
+            with self._lock:
+                self._in_flight.get(address, {}).pop(handed, None)
+            if call.cancelled():  # by abandon, which has settled ``handed`` already
+                return
+            with contextlib.suppress(futures.InvalidStateError):  # abandoned meanwhile
+                if call.exception() is not None:
+                    handed.set_exception(call.exception())
+                else:
+                    handed.set_result(call.result())
+
+        running.add_done_callback(ended)
+        return handed
+
+    def abandon(self, address: str, methods: frozenset[str], error: errors.AtollError) -> int:
+        """End the calls of ``methods`` in flight to ``address`` now with ``error`` (its daemon was
+        declared dead: a frozen one would hold their callers until their deadlines); returns how many."""
+        with self._lock:
+            calls = self._in_flight.get(address, {})
+            abandoned = {h: running for h, (method, running) in calls.items() if method in methods}
+            for handed in abandoned:
+                del calls[handed]
+        for handed, running in abandoned.items():
+            with contextlib.suppress(futures.InvalidStateError):
+                handed.set_exception(error)
+            running.cancel()
+        return len(abandoned)
 
     async def _call(self, address: str, method: str, request, timeout_s: float):
         entry = self._channels.get(address)  # only touched on the loop's thread

@@ -88,6 +88,9 @@ class WorkerDaemon:
         self.service.controller = self._controller
         self._stop = threading.Event()
         self.worker_id = ""
+        self._heartbeats: Endpoint | None = None
+        """Heartbeats carry the key of the controller this worker registered with (a restarted
+        controller, or another one on the address, answers "unknown")."""
         self._interval = 1.0
 
     def _register(self) -> None:
@@ -104,6 +107,7 @@ class WorkerDaemon:
                 gpu_uuid=gpu_uuid,
                 island=self.island,
                 value_address=self.service.values.address,
+                worker_id=self.worker_id,  # registering again: the same id, unless another worker has it
             ),
         )
         if self.worker_id:  # registering again: the controller restarted or declared us dead
@@ -111,6 +115,9 @@ class WorkerDaemon:
             self.service.drop_all_jobs()
         self.worker_id = reply.worker_id
         self.service.controller_key = reply.controller_key
+        if self._heartbeats is not None:
+            self._heartbeats.close()
+        self._heartbeats = self._keyed_endpoint(reply.controller_key, timeout_s=5.0)
         self.service.relay.use_controller_key(reply.controller_key)
         self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
@@ -125,7 +132,7 @@ class WorkerDaemon:
                     self._register()
                     continue
                 beat = pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes())
-                reply = self._controller.call("Heartbeat", beat, timeout_s=5.0)
+                reply = self._heartbeats.call("Heartbeat", beat)
                 if not reply.known:
                     log.warning("controller does not know %s; registering again", self.worker_id)
                     self.health.set(False)
@@ -172,18 +179,22 @@ class WorkerDaemon:
                 time.sleep(self.RETRY_S)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
+    def _keyed_endpoint(self, controller_key: str, timeout_s: float) -> Endpoint:
+        """Calls to the controller that carry the key it gave this worker at registration."""
+        return Endpoint(
+            self.controller_address,
+            self._token,
+            pb_grpc.ControllerStub,
+            default_timeout_s=timeout_s,
+            controller_key=controller_key,
+        )
+
     def _deregister(self, timeout_s: float = 2.0) -> None:
         """Leave the controller at once (not after its heartbeat timeout); its call carries the
         key the controller gave at registration, which only its workers hold."""
         if not self.worker_id or not self.service.controller_key:
             return
-        endpoint = Endpoint(
-            self.controller_address,
-            self._token,
-            pb_grpc.ControllerStub,
-            default_timeout_s=timeout_s,
-            controller_key=self.service.controller_key,
-        )
+        endpoint = self._keyed_endpoint(self.service.controller_key, timeout_s)
         try:
             endpoint.call("DeregisterWorker", pb.WorkerRef(worker_id=self.worker_id))
             log.info("deregistered %s", self.worker_id)
@@ -200,3 +211,5 @@ class WorkerDaemon:
         self.service.values.close()
         self.service.relay.close()
         self._controller.close()
+        if self._heartbeats is not None:
+            self._heartbeats.close()
