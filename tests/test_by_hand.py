@@ -197,7 +197,7 @@ def test_a_restarted_controller_knows_each_worker_once_and_a_killed_one_as_dead(
     """Issue 25's identity case, by hand: worker X (w0) is frozen while its controller is killed and
     restarted on the same port, and a new worker Y registers first and gets w0. When X wakes, its
     heartbeat carries the old controller's key, so the new one does not take it for w0: X registers
-    again as w1. Y killed is reported dead within the heartbeat timeout (X's heartbeats no longer
+    again as w1. Y killed is reported dead once the heartbeat timeout passes (X's heartbeats no longer
     keep "w0" alive), and a second restart gives X its id back."""
     import signal
 
@@ -251,7 +251,7 @@ def test_a_restarted_controller_knows_each_worker_once_and_a_killed_one_as_dead(
     y.wait(10)
     killed = time.monotonic()
     assert workers(address, 1) == {"w1": x.pid}
-    assert time.monotonic() - killed < 3 + 3  # heartbeat timeout, and a sweep's margin
+    assert time.monotonic() - killed < 3 + 7  # the heartbeat timeout, with room for a loaded machine
 
     second.kill()
     second.wait(10)
