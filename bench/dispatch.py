@@ -137,12 +137,18 @@ def _steps_per_s(job, x, steps: int, in_flight: int, per_call: int = 1) -> float
     return round(sent / (time.perf_counter() - start), 1)
 
 
+def process_pids(cluster: atoll.LocalCluster) -> dict[str, int]:
+    """Every process a tiny step runs in: this one (the client), the controller and each worker."""
+    return {"client": os.getpid(), "controller": cluster.controller.pid} | {
+        f"worker{i}": p.pid for i, p in enumerate(cluster.workers)
+    }
+
+
 def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: int = 16, per_call: int = 1) -> dict:
     """CPU milliseconds per tiny training step in each process (client, controller, every worker
     of the cluster), ``in_flight`` calls of ``per_call`` steps in flight; what each spent while
     idle over a window just before is subtracted (heartbeats, polling)."""
-    pids = {"client": os.getpid(), "controller": cluster.controller.pid}
-    pids |= {f"worker{i}": p.pid for i, p in enumerate(cluster.workers)}
+    pids = process_pids(cluster)
     job.max_in_flight = in_flight
     for _ in range(10):
         job.step(x, x)

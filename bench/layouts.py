@@ -112,6 +112,7 @@ def blocks(args) -> int:
 
 def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int, sequence: int):
     x, y = batches[0]
+    per = blocks(args) // pipeline
     job = client.pipeline(
         model,
         example_input=x,
@@ -119,9 +120,7 @@ def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data
         loss_fn=lm_loss,
         stages=pipeline,
         microbatches=MICROBATCHES // data,
-        split_points=list(
-            range(blocks(args) // pipeline, blocks(args), blocks(args) // pipeline)
-        ),  # whole blocks, as torch's
+        split_points=list(range(per, blocks(args), per)),  # whole blocks, as torch's
         schedule="1f1b",
         optimizer="sgd",
         optimizer_args={"lr": 0.01},

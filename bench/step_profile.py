@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dispatch import _cpu_seconds, tiny  # noqa: E402
+from dispatch import _cpu_seconds, process_pids, tiny  # noqa: E402
 
 import atoll  # noqa: E402
 
@@ -87,8 +86,7 @@ def profile(seconds: float, in_flight: int, rate: int, raw_dir: str | None = Non
     report: dict = {"seconds": seconds, "in_flight": in_flight, "steps_per_call": per_call}
     with atoll.LocalCluster(workers=4, threads_per_worker=1) as cluster, cluster.client() as client:
         job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
-        pids = {"client": os.getpid(), "controller": cluster.controller.pid}
-        pids |= {f"worker{i}": p.pid for i, p in enumerate(cluster.workers)}
+        pids = process_pids(cluster)
         job.max_in_flight = in_flight
         for _ in range(20):  # warm: connections, buffers
             job.step(x, x)
@@ -104,14 +102,10 @@ def profile(seconds: float, in_flight: int, rate: int, raw_dir: str | None = Non
                 spies[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         else:
             report["py_spy"] = "not installed (pip install py-spy): CPU figures only"
-        before, start, steps = {n: _cpu_seconds(p) for n, p in pids.items()}, time.perf_counter(), 0
-        pending = collections.deque()  # each entry: the futures of one call
-        while time.perf_counter() - start < seconds:
-            pending.append([job.step_async(x, x)] if per_call == 1 else job.steps_async([(x, x)] * per_call))
-            if len(pending) >= in_flight:
-                steps += len([f.result() for f in pending.popleft()])
-        while pending:
-            steps += len([f.result() for f in pending.popleft()])
+        before, start, futures = {n: _cpu_seconds(p) for n, p in pids.items()}, time.perf_counter(), []
+        while time.perf_counter() - start < seconds:  # the job's window (max_in_flight) holds the calls back
+            futures += [job.step_async(x, x)] if per_call == 1 else job.steps_async([(x, x)] * per_call)
+        steps = len([f.result() for f in futures])
         wall = time.perf_counter() - start
         cpu = {n: (_cpu_seconds(p) - before[n]) / steps * 1e3 for n, p in pids.items()}
         errors = {}

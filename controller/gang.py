@@ -83,13 +83,7 @@ class Gang:
         target_refs = self.values.resolve(request.target_refs)
         own, common = _step_requests(job, seq, request, mode, input_refs, target_refs)
         calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
-        # fair between jobs sharing workers (controller/cluster/fairness.py), then in gang order
-        self.gate.enter(job.job_id, job.worker_ids, job.weight)
-        try:
-            return self.dispatch(calls, self.step_timeout_s, job.dispatch_mode, common)
-        except BaseException:
-            self.leave(job)
-            raise
+        return self._through_gate(job, calls, 1, job.dispatch_mode, common)
 
     def send_steps(self, job: Job, first: int, requests: list[pb.StepRequest], modes: list[str]):
         """Send steps ``first``, ``first + 1``, ... (tensors only, none kept) as one RunSteps per
@@ -100,9 +94,15 @@ class Gang:
             for i, part in enumerate(parts):
                 part.append(own.get(i, common))
         calls = [Call(w, "RunSteps", pb.RunStepsRequest(steps=part)) for w, part in zip(job.workers, parts)]
-        self.gate.enter(job.job_id, job.worker_ids, job.weight, steps=len(requests))
+        return self._through_gate(job, calls, len(requests))
+
+    def _through_gate(self, job: Job, calls: list[Call], steps: int, mode: str = "direct", common=None):
+        """Dispatch ``calls`` (``steps`` of the job's steps) once the fair gate lets them go: fair
+        between jobs sharing workers (controller/cluster/fairness.py), then in gang order. A
+        dispatch that fails leaves the gate at once."""
+        self.gate.enter(job.job_id, job.worker_ids, job.weight, steps)
         try:
-            return self.dispatch(calls, self.step_timeout_s * len(requests))
+            return self.dispatch(calls, self.step_timeout_s * steps, mode, common)
         except BaseException:
             self.leave(job)
             raise

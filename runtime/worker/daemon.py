@@ -88,9 +88,9 @@ class WorkerDaemon:
         self.service.controller = self._controller
         self._stop = threading.Event()
         self.worker_id = ""
-        self._heartbeats: Endpoint | None = None
-        """Heartbeats carry the key of the controller this worker registered with (a restarted
-        controller, or another one on the address, answers "unknown")."""
+        self._keyed: Endpoint | None = None
+        """Calls that carry the key of the controller this worker registered with: heartbeats (a
+        restarted controller, or another one on the address, answers "unknown") and leaving."""
         self._interval = 1.0
 
     def _register(self) -> None:
@@ -115,9 +115,15 @@ class WorkerDaemon:
             self.service.drop_all_jobs()
         self.worker_id = reply.worker_id
         self.service.controller_key = reply.controller_key
-        if self._heartbeats is not None:
-            self._heartbeats.close()
-        self._heartbeats = self._keyed_endpoint(reply.controller_key, timeout_s=5.0)
+        if self._keyed is not None:
+            self._keyed.close()
+        self._keyed = Endpoint(
+            self.controller_address,
+            self._token,
+            pb_grpc.ControllerStub,
+            default_timeout_s=5.0,
+            controller_key=reply.controller_key,
+        )
         self.service.relay.use_controller_key(reply.controller_key)
         self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
@@ -132,7 +138,7 @@ class WorkerDaemon:
                     self._register()
                     continue
                 beat = pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes())
-                reply = self._heartbeats.call("Heartbeat", beat)
+                reply = self._keyed.call("Heartbeat", beat)
                 if not reply.known:
                     log.warning("controller does not know %s; registering again", self.worker_id)
                     self.health.set(False)
@@ -179,29 +185,16 @@ class WorkerDaemon:
                 time.sleep(self.RETRY_S)
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
-    def _keyed_endpoint(self, controller_key: str, timeout_s: float) -> Endpoint:
-        """Calls to the controller that carry the key it gave this worker at registration."""
-        return Endpoint(
-            self.controller_address,
-            self._token,
-            pb_grpc.ControllerStub,
-            default_timeout_s=timeout_s,
-            controller_key=controller_key,
-        )
-
     def _deregister(self, timeout_s: float = 2.0) -> None:
         """Leave the controller at once (not after its heartbeat timeout); its call carries the
         key the controller gave at registration, which only its workers hold."""
-        if not self.worker_id or not self.service.controller_key:
+        if not self.worker_id or self._keyed is None:
             return
-        endpoint = self._keyed_endpoint(self.service.controller_key, timeout_s)
         try:
-            endpoint.call("DeregisterWorker", pb.WorkerRef(worker_id=self.worker_id))
+            self._keyed.call("DeregisterWorker", pb.WorkerRef(worker_id=self.worker_id), timeout_s=timeout_s)
             log.info("deregistered %s", self.worker_id)
         except AtollError as e:  # the controller may be gone or stopping too
             log.info("could not deregister %s: %s", self.worker_id, e)
-        finally:
-            endpoint.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -211,5 +204,5 @@ class WorkerDaemon:
         self.service.values.close()
         self.service.relay.close()
         self._controller.close()
-        if self._heartbeats is not None:
-            self._heartbeats.close()
+        if self._keyed is not None:
+            self._keyed.close()
