@@ -38,6 +38,9 @@ class ControllerConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP at ``host:metrics_port/metrics`` (0 picks a free port;
     None: no metrics server). controller/cluster/metrics.py lists them."""
+    state_dir: str | None = None
+    """Where the controller records its workers and jobs (SQLite, controller/statedir.py): restarted
+    on the same directory, it takes its jobs back (controller/recovery.py). None: in memory only."""
 
 
 class ControllerDaemon:
@@ -53,6 +56,7 @@ class ControllerDaemon:
             step_timeout_s=config.step_timeout_s,
             lease_timeout_s=config.lease_timeout_s,
             status_grace_s=config.status_grace_s,
+            state_dir=config.state_dir,
         )
         self.server, self.port = make_server(token, config.host, config.port)
         if missing:

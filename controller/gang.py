@@ -4,6 +4,7 @@ workers that read it, their replies fanned back in to one StepReply, and the bla
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -160,6 +161,13 @@ class Gang:
                 self.registry.mark_dead(call.worker, f"unreachable after a failed step: {reply}")
                 dead.append(call.worker)
         if not dead:
+            now = time.monotonic()  # a frozen or cut-off worker: alive for now, but silent
+            silent = [
+                w for w in job.workers if w.alive and now - w.last_heartbeat > 2 * self.registry.heartbeat_interval_s
+            ]
+            if silent:
+                named = ", ".join(f"{w.describe()} (no heartbeat for {now - w.last_heartbeat:.1f}s)" for w in silent)
+                return f"{named}; a peer reported: {error}"
             return str(error)
         named = ", ".join(w.describe() for w in dead)
         return f"{named} unreachable (did the worker die?); a peer reported: {error}"

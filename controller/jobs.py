@@ -10,16 +10,21 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from atoll.controller.cluster.admission import AdmissionQueue, Ticket
 from atoll.controller.cluster.dispatch import RELAY_ABOVE_WORKERS
 from atoll.controller.cluster.registry import WorkerRecord
 from atoll.controller.compiler.pipeline import CompiledPipeline
+from atoll.controller.statedir import MemoryState
 from atoll.errors import JobFailed, NotFound
 
 
 class JobState(str, enum.Enum):
     LOADING = "loading"
+    RECOVERING = "recovering"
+    """Known from the state directory of a restarted controller, waiting for its workers to
+    register again with it still loaded (controller/recovery.py)."""
     READY = "ready"
     FAILED = "failed"
     CLOSED = "closed"
@@ -56,6 +61,12 @@ class Job:
     """The mean microbatch loss of the last training step (None before the first)."""
     last_memory: tuple[str, ...] = ()
     """Each worker's accounting (memory_json) of the last training step, parsed only when asked."""
+    steps_at_load: int = 0
+    """``steps`` when it was last loaded (0, or a checkpoint's step): a restarted controller adds
+    the training steps its workers ran since."""
+    counted_up_to: int = 0
+    """Steps numbered up to here were counted in ``steps`` before they ended here: a restarted
+    controller counted them from its workers' reports (controller/recovery.py)."""
     worker_ids: frozenset[str] = field(init=False)
 
     def __post_init__(self):
@@ -108,12 +119,27 @@ class Job:
         if mode == "train":
             self.last_loss, self.last_memory = loss, tuple(r.memory_json for r in replies)
 
+    def count(self, seq: int, mode: str) -> None:
+        """Step ``seq`` ended well: a training step adds to ``steps``, once (call holding ``order``)."""
+        if mode == "train" and seq > self.counted_up_to:
+            self.steps += 1
+
     def fail(self, reason: str) -> bool:
         """Mark the job failed; False when it had already failed or was closed."""
-        if self.state in (JobState.LOADING, JobState.READY):
-            self.state, self.error, self.failed_at = JobState.FAILED, reason, time.monotonic()
-            return True
-        return False
+        if self.state not in (JobState.LOADING, JobState.READY, JobState.RECOVERING):
+            return False
+        self.error, self.failed_at = reason, time.monotonic()
+        if self.state is JobState.RECOVERING:  # calls may wait for it (no step holds its order yet)
+            self.settle(JobState.FAILED)
+        else:  # not under ``order``: a step may hold it while its worker's death is handled
+            self.state = JobState.FAILED
+        return True
+
+    def settle(self, state: JobState) -> None:
+        """Leave RECOVERING for ``state``: the steps waiting for it go on (``JobTable.ready``)."""
+        with self.order:
+            self.state = state
+            self.order.notify_all()
 
 
 class GangScheduler:
@@ -164,16 +190,28 @@ class JobTable:
     decision, so the methods marked "lock held" are called inside ``with table.lock`` by a caller
     that makes more of that decision; the others take it themselves."""
 
-    def __init__(self):
+    RECOVERY_WAIT_S: ClassVar[float] = 60.0
+    """How long a call waits for a recovering job (its workers register again within seconds,
+    or are declared dead after the heartbeat timeout)."""
+
+    def __init__(self, records: MemoryState):
         self.lock = threading.Lock()
         self.admission = AdmissionQueue(self.lock)
+        self.records = records
+        """The state directory: job numbers and closed jobs are recorded there."""
         self._jobs: dict[str, Job] = {}
         self._closed: set[str] = set()
         self._ids = itertools.count()
 
+    def recovered(self, next_id: int, closed: frozenset[str]) -> None:
+        """A restarted controller's numbering and closed jobs, from its state directory."""
+        self._ids, self._closed = itertools.count(next_id), set(closed)
+
     def new_id(self) -> str:
         """(lock held)"""
-        return f"job{next(self._ids)}"
+        number = next(self._ids)
+        self.records.next_job(number + 1)
+        return f"job{number}"
 
     def add(self, job: Job) -> None:
         """(lock held)"""
@@ -193,6 +231,9 @@ class JobTable:
 
     def ready(self, job_id: str) -> Job:
         job = self.get(job_id)
+        if job.state is JobState.RECOVERING:  # a restarted controller takes it back in seconds
+            with job.order:
+                job.order.wait_for(lambda: job.state is not JobState.RECOVERING, self.RECOVERY_WAIT_S)
         if job.state is JobState.FAILED:
             raise JobFailed(f"job {job_id} has failed and must be submitted again: {job.error}")
         if job.state is not JobState.READY:
@@ -230,4 +271,6 @@ class JobTable:
         with self.lock:
             self._jobs.pop(job.job_id, None)
             self._closed.add(job.job_id)
-            return {j.session for j in self._jobs.values()}
+            held = {j.session for j in self._jobs.values()}
+        self.records.job_closed(job.job_id)
+        return held

@@ -19,6 +19,7 @@ from atoll.controller.cluster.rendezvous import Rendezvous
 from atoll.controller.compiler.pipeline import CompiledPipeline
 from atoll.controller.jobs import Job, JobState, JobTable
 from atoll.controller.remote import RemoteValues
+from atoll.controller.statedir import MemoryState
 from atoll.errors import JobFailed, WorkerUnavailable
 
 log = logging.getLogger("atoll.controller")
@@ -38,6 +39,8 @@ class Lifecycle:
     metrics: ControllerMetrics
     values: RemoteValues
     """A dead worker's values went with it."""
+    records: MemoryState
+    """The state directory: a job's end and a worker's death are recorded there."""
 
     def admit(self, compiled: CompiledPipeline, islands: tuple[str, ...], session: str) -> Job:
         """Place a new job on workers, once the admission queue lets it (controller/cluster/admission.py),
@@ -77,16 +80,24 @@ class Lifecycle:
         # receive until the data plane's): they end now, and the step's error names the dead one.
         self.dispatcher.abandon(record, WorkerUnavailable(f"declared dead ({record.death})"))
         self.values.table.drop_worker(record.worker_id)
+        self.records.worker_died(record.worker_id)
         for job in self.jobs.on_worker(record):
-            if job.auto_resume and job.state in (JobState.READY, JobState.LOADING):
-                job.broken = f"{record.describe()} died: {record.death}"  # restored before its next step
-            else:
-                self.fail(job, f"{record.describe()} died: {record.death}")
+            self.lost_worker(job, f"{record.describe()} died: {record.death}")
+
+    def lost_worker(self, job: Job, cause: str) -> None:
+        """One of the job's workers is gone, or no longer holds the job: an auto_resume job is
+        restored before its next step, any other fails."""
+        if job.auto_resume and job.state in (JobState.READY, JobState.LOADING, JobState.RECOVERING):
+            job.broken = cause
+            if job.state is JobState.RECOVERING:  # its next step restores it
+                job.settle(JobState.READY)
+        else:
+            self.fail(job, cause)
 
     def unload(self, job: Job, wait: bool) -> None:
         """Unload the job from its live workers (waiting for their answers, or not) and stop
         counting it in their load."""
-        live = [w for w in job.workers if w.alive]
+        live = [w for w in job.workers if w.alive and not w.returning]  # a returning one drops it on return
         calls = [Call(w, "Unload", pb.JobRef(job_id=job.job_id)) for w in live]
         if wait:
             self.dispatcher.each(calls, 10.0)
@@ -103,12 +114,14 @@ class Lifecycle:
         more); its record and error stay for status until the client closes it."""
         if job.fail(reason):
             self.metrics.failed(job)
+            self.records.job_state(job.job_id, JobState.FAILED.value, reason)
             self.unload(job, wait=False)
 
     def fail_loading(self, job: Job, reason: str) -> None:
         """A job that could not be loaded: failed, and unloaded from its workers before the client hears."""
         if job.fail(reason):
             self.metrics.failed(job)
+            self.records.job_state(job.job_id, JobState.FAILED.value, reason)
         self.unload(job, wait=True)
 
     def step_failed(self, job: Job, seq: int, cause: str) -> JobFailed:

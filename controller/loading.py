@@ -19,6 +19,7 @@ from atoll.controller.gang import Gang
 from atoll.controller.jobs import Job, JobState
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.state import StateStore
+from atoll.controller.statedir import JobRow, MemoryState
 from atoll.core.config import JobConfig, WorkerSettings
 from atoll.core.wire import spec_from_pb, spec_to_pb
 from atoll.errors import InvalidInput, JobFailed
@@ -91,6 +92,8 @@ class Loader:
     state: StateStore
     """Restores the checkpoint named by ``resume_from``, and writes an auto_resume job's first one."""
     rendezvous: Rendezvous
+    records: MemoryState
+    """The state directory: a job's program, placement and state are recorded there."""
     load_timeout_s: float
     _compile_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -104,6 +107,20 @@ class Loader:
         else:
             islands = cfg.islands
         job = self.lifecycle.admit(compiled, islands, session="" if cfg.detached else request.session)
+        row = JobRow(
+            job_id=job.job_id,
+            name=job.name,
+            session=job.session,
+            islands=job.islands,
+            placement=tuple(w.worker_id for w in job.workers),
+            namespace="",
+            secret="",
+            state=JobState.LOADING.value,
+            error="",
+            steps_at_load=0,
+            report={},
+        )
+        self.records.job_admitted(row, request)
         try:
             self.load(job, cfg.resume_from)
             if cfg.auto_resume:  # there is always a checkpoint to resume from
@@ -116,6 +133,7 @@ class Loader:
                 raise InvalidInput(f"job {job.job_id} could not be loaded: {e}") from None
             raise JobFailed(f"job {job.job_id} could not be loaded: {e}") from None
         job.state, job.loaded_at = JobState.READY, time.monotonic()
+        self.records.job_state(job.job_id, JobState.READY.value)
         log.info("job %s ready on %s", job.job_id, ", ".join(w.worker_id for w in job.workers))
         return pb.SubmitReply(job_id=job.job_id, plan_json=json.dumps(job.report))
 
@@ -152,3 +170,7 @@ class Loader:
         self.gang.dispatch(calls, self.load_timeout_s).replies()
         if resume_from:
             report["resumed_from"] = self.state.restore(job, resume_from)
+        # the workers count their steps afresh: from here on, every step ending here is counted
+        job.steps_at_load, job.counted_up_to = job.steps, 0
+        placement = [w.worker_id for w in workers]
+        self.records.job_loaded(job.job_id, placement, job.namespace, store[1], job.steps, report)

@@ -35,6 +35,7 @@ from atoll.controller.jobs import Job, JobState
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.loading import Loader
 from atoll.controller.state import StateStore
+from atoll.controller.statedir import MemoryState
 from atoll.errors import InvalidInput, JobFailed, NotEnoughWorkers
 
 log = logging.getLogger("atoll.controller")
@@ -50,6 +51,8 @@ class AutoResume:
     state: StateStore
     gang: Gang
     metrics: ControllerMetrics
+    records: MemoryState
+    """The state directory: the journal is kept there too, for a restarted controller."""
 
     MAX_RESTORES: ClassVar[int] = 3
     """Restores tried for one step before the job fails."""
@@ -57,7 +60,7 @@ class AutoResume:
     def step(self, job: Job, seq: int, request: pb.StepRequest, mode: str) -> pb.StepReply:
         """Run step ``seq`` of an auto_resume job, holding ``job.order``: restore the job first if
         it is broken, and again whenever a worker dies under the step or the checkpoint after it."""
-        reply = None
+        reply = self._journaled(job, seq)
         every = job.compiled.request.config.checkpoint_every
         for _ in range(self.MAX_RESTORES + 1):
             try:
@@ -67,9 +70,10 @@ class AutoResume:
                     started = time.perf_counter()
                     replies = self.gang.run_step(job, seq, request, mode)
                     reply = self.gang.step_reply(job, seq, replies)
+                    job.count(seq, mode)
                     if mode == "train":
-                        job.steps += 1
                         job.journal.append((seq, request, reply.loss))
+                        self.records.journal_append(job.job_id, seq, request, reply.loss)
                     job.stepped(mode, reply.loss, replies)
                     self.metrics.step(job, mode, time.perf_counter() - started, replies)
                 if job.journal and job.steps % every == 0:
@@ -85,6 +89,15 @@ class AutoResume:
                 raise JobFailed(f"job {job.job_id}: {job.error}") from None
         self.lifecycle.fail(job, f"auto_resume gave up after {self.MAX_RESTORES} restores; last cause: {job.broken}")
         raise JobFailed(f"job {job.job_id}: {job.error}")
+
+    @staticmethod
+    def _journaled(job: Job, seq: int) -> pb.StepReply | None:
+        """A step sent again after a controller restart that the journal holds already: its loss
+        from there (a restore replays it; running it again would train on its batch twice)."""
+        for number, _, loss in job.journal:
+            if number == seq:
+                return pb.StepReply(loss=loss, step=seq)
+        return None
 
     def _restore(self, job: Job) -> None:
         """Steps 1-4 of the module's docstring; raises DispatchError if a worker fails meanwhile."""

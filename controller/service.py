@@ -21,9 +21,11 @@ from atoll.controller.jobs import JobTable
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.loading import Loader
 from atoll.controller.loading import decode_program as decode_program  # `atoll plan` imports it from here
+from atoll.controller.recovery import Recovery
 from atoll.controller.remote import RemoteValues
 from atoll.controller.resume import AutoResume
 from atoll.controller.state import StateStore
+from atoll.controller.statedir import MemoryState, StateDir, WorkerRow
 from atoll.controller.status import Reports
 from atoll.controller.stepping import Stepper
 from atoll.errors import NotFound, NotPermitted
@@ -52,7 +54,9 @@ class ControllerService(pb_grpc.ControllerServicer):
         step_timeout_s: float = 600.0,
         lease_timeout_s: float = 30.0,
         status_grace_s: float = 60.0,
+        state_dir: str | None = None,
     ):
+        self.records = StateDir(state_dir) if state_dir else MemoryState()
         self.leases = Leases(lease_timeout_s)
         self._stopped = threading.Event()
         self.controller_key = secrets.token_hex(16)
@@ -68,7 +72,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         )
         self.rendezvous = Rendezvous()
         self.dispatcher = Dispatcher(token, controller_key=self.controller_key)
-        self.jobs = JobTable()
+        self.jobs = JobTable(self.records)
         self.gate = FairGate()
         self.values = RemoteValues(self.registry, self.jobs.lock)
         self.metrics = ControllerMetrics(self.registry.all, self.jobs.all, self.jobs.queue_length)
@@ -80,6 +84,8 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.loader = self._build(Loader)
         self.stepper = self._build(Stepper, resume=self._build(AutoResume), values=self.values.table)
         self.reports = self._build(Reports, status_grace_s=status_grace_s)
+        self.recovery = self._build(Recovery)
+        self.recovery.start()  # a restart on a state directory: its workers and jobs, before serving
 
     def _build(self, collaborator: type, **given):
         """A collaborator (a dataclass) whose fields name the parts it needs: each is ``given`` or
@@ -92,12 +98,15 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def RegisterWorker(self, request, context):
         record = self.registry.register(request)
+        self.records.worker(WorkerRow(record.worker_id, record.address, record.device, record.island, record.host))
+        keep = self.recovery.returned(record, list(request.held_jobs))  # after a restart: its jobs taken back
         log.info("registered %s", record.describe())
         self.jobs.released()  # a queued request may fit now
         return pb.RegisterWorkerReply(
             worker_id=record.worker_id,
             heartbeat_interval_s=self.registry.heartbeat_interval_s,
             controller_key=self.controller_key,
+            keep_jobs=keep,
         )
 
     @rpc_handler
@@ -105,7 +114,10 @@ class ControllerService(pb_grpc.ControllerServicer):
         """Known only with the key this controller gave at registration: a worker that registered
         with an earlier controller (restarted on the same address) drops its jobs and registers again."""
         mine = from_controller(context, self.controller_key)
-        return pb.HeartbeatReply(known=mine and self.registry.heartbeat(request.worker_id, request.rss_bytes))
+        known = mine and self.registry.heartbeat(request.worker_id, request.rss_bytes)
+        if known:
+            self.recovery.heard(self.registry.get(request.worker_id))  # after a restart: its jobs taken back
+        return pb.HeartbeatReply(known=known)
 
     @rpc_handler
     def DeregisterWorker(self, request, context):
@@ -206,3 +218,4 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.registry.stop()
         self.dispatcher.close()
         self.metrics.close()
+        self.records.close()

@@ -10,6 +10,7 @@ from atoll.controller.cluster.dispatch import Call, DispatchError
 from atoll.controller.gang import Gang
 from atoll.controller.jobs import Job
 from atoll.controller.lifecycle import Lifecycle
+from atoll.controller.statedir import MemoryState
 from atoll.core import checkpoint
 from atoll.core.wire import tensor_from_pb, tensor_to_pb
 from atoll.errors import InvalidInput, JobFailed
@@ -21,6 +22,8 @@ class StateStore:
     """Reads and writes go in gang order, after the steps sent before them."""
     lifecycle: Lifecycle
     """Fails a job that lost a worker while saving."""
+    records: MemoryState
+    """The state directory: an auto_resume job's journal starts again there at each checkpoint."""
     step_timeout_s: float
     load_timeout_s: float
 
@@ -73,6 +76,7 @@ class StateStore:
         """An auto_resume job's checkpoint: its journal of steps starts again from it."""
         self.write(job, job.compiled.request.config.checkpoint_path)
         job.journal.clear()
+        self.records.journal_clear(job.job_id)
 
     def write(self, job: Job, path: str):
         """Every worker of replica 0 writes its own tensors into a new version of the checkpoint at

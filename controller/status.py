@@ -43,7 +43,8 @@ class Reports:
             ],
             workers=[
                 pb.WorkerInfo(
-                    **_same(w, "worker_id", "address", "device", "host", "alive", "pid", "island", "rss_bytes"),
+                    **_same(w, "worker_id", "address", "device", "host", "pid", "island", "rss_bytes", "returning"),
+                    alive=w.alive and not w.returning,
                     seconds_since_heartbeat=now - w.last_heartbeat,
                     jobs=sorted(w.jobs),
                 )

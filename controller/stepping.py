@@ -96,7 +96,11 @@ class Stepper:
         job = self.jobs.ready(request.job_id)
         with job.order:  # steps go out in the client's order, each as soon as its turn comes
             seq = request.seq or job.next_seq
-            self.await_turn(job, seq)
+            # sent again after a controller restart, and numbered before the workers' slowest step:
+            # every worker answers it from its ledger (atoll.worker.ledger), in any order
+            again = request.retry and seq < job.next_seq
+            if not again:
+                self.await_turn(job, seq)
             started = time.perf_counter()
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self.jobs.ready(request.job_id)  # a worker may have died while this step waited
@@ -108,21 +112,24 @@ class Stepper:
                     return self.resume.step(job, seq, request, mode)
                 pending = self.gang.send_step(job, seq, request, mode)
             finally:
-                job.next_seq = seq + 1
-                job.order.notify_all()
+                if not again:
+                    job.next_seq = seq + 1
+                    job.order.notify_all()
         replies = self._replies(job, seq, pending)  # outside the order: the next step can go out meanwhile
-        return self._ended(job, seq, mode, replies, time.perf_counter() - started)
+        # a step sent again was counted when it first ended, or by a restarted controller's recovery
+        return self._ended(job, seq, mode, replies, time.perf_counter() - started, count=not again)
 
     def steps(self, request: pb.StepsRequest) -> pb.StepsReply:
         """Consecutive steps of one job in one call (Job.steps_async): all are checked before any
         is sent (a bad one refuses the call and runs nothing), then each worker gets one RunSteps
         with its part of every step, in one gang position. A job that sends steps another way
-        (auto_resume; relayed or sequential dispatch) runs them one by one, as separate steps."""
+        (auto_resume; relayed or sequential dispatch), or sends them again after a controller
+        restart, runs them one by one, as separate steps."""
         steps = list(request.steps)
         if not steps or any(s.job_id != steps[0].job_id for s in steps):
             raise InvalidInput("Steps takes one or more steps, all of one job")
         job = self.jobs.ready(steps[0].job_id)
-        if job.auto_resume or job.dispatch_mode != "direct":
+        if job.auto_resume or job.dispatch_mode != "direct" or any(s.retry for s in steps):
             for s in steps:
                 _check_in_batch(job, s, s.seq)
             return pb.StepsReply(replies=[self.step(s) for s in steps])
@@ -156,11 +163,12 @@ class Stepper:
         finally:
             self.gang.leave(job)
 
-    def _ended(self, job: Job, seq: int, mode: str, replies: list, seconds: float) -> pb.StepReply:
-        """Step ``seq`` ended well: count it, keep its loss for status, and build its reply."""
-        if mode == "train":  # status counts training steps
+    def _ended(self, job: Job, seq: int, mode: str, replies: list, seconds: float, count=True) -> pb.StepReply:
+        """Step ``seq`` ended well: count it (unless not ``count``), keep its loss for status, and
+        build its reply."""
+        if mode == "train" and count:  # status counts training steps
             with job.order:
-                job.steps += 1
+                job.count(seq, mode)
         reply = self.gang.step_reply(job, seq, replies)
         job.stepped(mode, reply.loss, replies)
         self.metrics.step(job, mode, seconds, replies)

@@ -29,6 +29,7 @@ _EXPORTS = {
     **dict.fromkeys(
         (
             "AtollError",
+            "ControllerUnavailable",
             "DeadlineExceeded",
             "InvalidInput",
             "JobFailed",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from atoll.client.trace import Trace
     from atoll.errors import (
         AtollError,
+        ControllerUnavailable,
         DeadlineExceeded,
         InvalidInput,
         JobFailed,
@@ -79,6 +81,7 @@ __all__ = [
     "AtollError",
     "Client",
     "ClusterStatus",
+    "ControllerUnavailable",
     "DeadlineExceeded",
     "InvalidInput",
     "Job",

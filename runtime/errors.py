@@ -52,6 +52,15 @@ class WorkerUnavailable(AtollError):
     """A daemon could not be reached, or stopped answering."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    DAEMON = "daemon"
+    """What a message says was not reached."""
+
+
+class ControllerUnavailable(WorkerUnavailable):
+    """The controller could not be reached (it is down, or restarting); the message names its
+    address. A client sends its unanswered steps again for a while first (``reconnect_timeout_s``)."""
+
+    DAEMON = "controller"
 
 
 class DeadlineExceeded(AtollError, TimeoutError):

@@ -97,3 +97,13 @@ def test_profile_benchmark_runs_at_its_smallest_size():
     for name, split in report["processes"].items():  # a process may hold the GIL in no sample of a second
         parts = {k: v for k, v in split.items() if k not in ("samples", "executor_inclusive")}
         assert not split["samples"] or sum(parts.values()) == pytest.approx(1.0, abs=0.01), (name, split)
+
+
+def test_state_store_benchmark_runs_at_its_smallest_size():
+    """bench/state_store.py: the same job on a cluster without and with a state directory."""
+    report = _run_bench("state_store.py", "--steps", "2", "--rounds", "1", "--layers", "1", "--batch", "8")
+    assert set(report["steps_per_s"]) == {
+        f"{kind}_{side}_store" for kind in ("plain", "auto_resume") for side in ("with", "without")
+    }
+    assert all(rate > 0 for rates in report["steps_per_s"].values() for rate in rates)
+    assert set(report["with_store_over_without"]) == {"plain", "auto_resume"}

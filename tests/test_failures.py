@@ -62,8 +62,9 @@ def test_killed_worker_fails_its_job_and_the_cluster_keeps_serving(dispatch, vic
 def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(record_property):
     """A worker SIGSTOPped while its job steps is declared dead after the heartbeat timeout; the
     step waiting on it then ends at once with an error naming it (the dead worker's call is
-    abandoned), not when a survivor's data-plane receive times out. A job on the other worker trains
-    throughout, and the worker, woken, registers again under its id."""
+    abandoned), not when a survivor's data-plane receive times out. The survivors, whose steps still
+    wait on it, are free for a new job at once. A job on the other worker trains throughout, and the
+    worker, woken, registers again under its id."""
     import os
     import signal
     import threading
@@ -101,6 +102,17 @@ def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(reco
             record_property("frozen_worker_step_failed_after_s", took)
             # heartbeat timeout + 2 s, with room for a loaded machine; the data plane's deadline is 60 s
             assert took < timeout + 2.0 + 5.0
+
+            # the survivors' steps still wait on the frozen worker in the data plane (for 60 s), but
+            # unloading the failed job let their gang order go on: a new job there trains at once
+            started = time.monotonic()
+            fresh, _, fresh_batches, _ = models.submit(client, seed=2, stages=2, microbatches=2, name="after")
+            fresh.step(*fresh_batches[0])
+            record_property("new_job_on_the_survivors_trained_after_s", time.monotonic() - started)
+            placed_fresh = next(j.workers for j in client.status().jobs if j.job_id == fresh.id)
+            assert set(placed_fresh) == set(placed[job.id]) - {victim}
+            assert time.monotonic() - started < 20.0  # not the data plane's 60 s
+            fresh.close()
             before_waking = len(beside)
         finally:
             os.kill(pids[victim], signal.SIGCONT)

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 
 import atoll
 from atoll._rpc import atoll_pb2 as pb
+from atoll.controller.statedir import StateDir
 from atoll.net.auth import call_metadata
 from tests import models
 from tests.procs import health, rss
@@ -165,8 +166,9 @@ def _fuzzer(channel, service: str, method, token: str, counts: dict):
 
 
 @pytest.fixture(scope="module")
-def fuzz_cluster():
-    with atoll.LocalCluster(workers=2) as cluster:
+def fuzz_cluster(tmp_path_factory):
+    # with a state directory: the fuzzed calls must not corrupt what a restart would read
+    with atoll.LocalCluster(workers=2, state_dir=tmp_path_factory.mktemp("state")) as cluster:
         yield cluster
 
 
@@ -201,6 +203,8 @@ def test_hostile_messages_to_every_rpc_crash_no_daemon(fuzz_cluster):
         while sum(w.alive for w in client.status().workers) > len(workers) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _train_once(client) > 0  # the cluster still trains
+    recorded = StateDir(cluster.state_dir).read()  # what a restart would read: still whole
+    assert {w.worker_id for w in workers} <= {w.worker_id for w in recorded.workers if w.alive}
     after = {name: rss(pid) for name, pid in pids.items()}
     for name in pids:
         assert after[name] <= 1.1 * before[name], (name, before[name], after[name], counts)

@@ -172,7 +172,7 @@ def _user_errors(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "controller-unreachable": (
             ["status", "--controller", f"127.0.0.1:{_closed_port()}", "--token-file", str(token)],
-            r"atoll status: no controller answered at 127\.0\.0\.1:\d+: daemon unreachable",
+            r"atoll status: no controller answered at 127\.0\.0\.1:\d+: controller unreachable",
         ),
         "no-build-function": (["plan", str(no_build)], r"atoll plan: .*no_build\.py defines no build\(\)"),
         "no-controller-address": (["status", "--token-file", str(token)], r"atoll status: no controller address"),

@@ -38,8 +38,8 @@ print(json.dumps(losses), flush=True)
 """
 
 
-def test_eight_clients_share_four_workers_for_a_hundred_steps_each():
-    with atoll.LocalCluster(workers=4) as cluster:
+def test_eight_clients_share_four_workers_for_a_hundred_steps_each(tmp_path):
+    with atoll.LocalCluster(workers=4, state_dir=tmp_path / "state") as cluster:
         children = [
             subprocess.Popen(
                 [sys.executable, "-c", CLIENT, cluster.address, cluster.token, str(seed), str(STEPS), str(WARM)],

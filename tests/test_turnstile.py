@@ -87,3 +87,52 @@ def test_positions_below_the_controllers_floor_are_skipped_at_once():
         ran.append(4)
     later.join(10)
     assert ran == [4, 5] and turnstile.skipped == [2]
+
+
+def _call_in_thread(turnstile, seq, started=None, release=None):
+    """A call for ``seq`` in a thread: it records whether it ran or its error, and holds its turn
+    until ``release`` is set."""
+    outcome = {}
+
+    def call():
+        try:
+            with turnstile.turn(seq):
+                outcome["ran"] = True
+                if started is not None:
+                    started.set()
+                if release is not None:
+                    release.wait(10)
+        except Exception as e:  # noqa: BLE001 (the test reads it)
+            outcome["error"] = e
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_new_registration_fails_the_old_controllers_waiting_calls_and_a_running_one_keeps_out_of_the_way():
+    turnstile, started, release = Turnstile(), threading.Event(), threading.Event()
+    running, ran = _call_in_thread(turnstile, 1, started, release)
+    assert started.wait(10)
+    waiting, waited = _call_in_thread(turnstile, 3)  # 2 never comes: 3 waits for it
+    time.sleep(0.05)
+    turnstile.reset()  # the worker registered with a restarted controller
+    waiting.join(10)
+    assert "ran" not in waited and "no longer serves" in str(waited["error"])
+    assert run_all(turnstile, [2, 1]) == [1, 2]  # the new numbering runs beside the old call
+    release.set()
+    running.join(10)
+    assert ran == {"ran": True}
+    assert run_all(turnstile, [3]) == [3]  # the old call's end did not move the new order
+
+
+def test_release_lets_the_order_go_past_a_call_stuck_in_its_turn():
+    turnstile, started, release = Turnstile(), threading.Event(), threading.Event()
+    stuck, _ = _call_in_thread(turnstile, 1, started, release)
+    assert started.wait(10)
+    assert not turnstile.release(2)  # not the running call
+    assert turnstile.release(1)
+    assert run_all(turnstile, [2, 3]) == [2, 3]  # while 1 still holds its thread
+    release.set()
+    stuck.join(10)
+    assert run_all(turnstile, [4]) == [4]

@@ -36,6 +36,9 @@ class WorkerRecord:
     jobs: set[str] = field(default_factory=set)
     rss_bytes: int = 0
     """Resident memory of the worker's process, from its last heartbeat."""
+    returning: bool = False
+    """Known from the state directory of a restarted controller, not registered again yet: not
+    placed on, and dead once silent for the heartbeat timeout (controller/recovery.py)."""
 
     def describe(self) -> str:
         return f"worker {self.worker_id} ({self.device} at {self.address}, island {self.island})"
@@ -57,9 +60,32 @@ class Registry:
         self._rpc_timeout_s = rpc_timeout_s
         self._on_death = on_death
         self._workers: dict[str, WorkerRecord] = {}
+        self._reserved: set[str] = set()
+        """Ids of workers a state directory recorded: never given to another worker."""
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+
+    def expect(self, rows, reserved: set[str]) -> None:
+        """A restarted controller's workers, as its state directory recorded them: each waits
+        (``returning``) for its worker to register again; the ``reserved`` ids go to no other worker."""
+        with self._lock:
+            self._reserved |= reserved
+            for row in rows:
+                self._workers[row.worker_id] = WorkerRecord(
+                    worker_id=row.worker_id,
+                    address=row.address,
+                    device=row.device,
+                    host=row.host,
+                    pid=0,
+                    gpu_uuid="",
+                    island=row.island,
+                    endpoint=self._endpoint(row.address),
+                    returning=True,
+                )
+
+    def _endpoint(self, address: str) -> Endpoint:
+        return Endpoint(address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s, self._controller_key)
 
     def register(self, req: pb.RegisterWorkerRequest) -> WorkerRecord:
         if not req.address or not req.device:
@@ -70,6 +96,12 @@ class Registry:
             # holds it now: after a controller restart, say, a new worker may have taken it first.
             asked = req.worker_id if re.fullmatch(r"w[0-9]{1,9}", req.worker_id) else ""
             holder = self._workers.get(asked) if asked else None
+            if holder is not None and holder.returning and holder.alive and holder.address == req.address:
+                # back after a controller restart: the same record, which its jobs hold
+                holder.host, holder.pid, holder.gpu_uuid = req.host, req.pid, req.gpu_uuid
+                holder.island, holder.value_address = req.island or req.host, req.value_address
+                holder.returning, holder.last_heartbeat = False, time.monotonic()
+                return holder
             keep = asked and (holder is None or holder.address == req.address)
             worker_id = asked if keep else self._new_id()
             # a worker restarted on the same address replaces its old record
@@ -85,9 +117,7 @@ class Registry:
                 gpu_uuid=req.gpu_uuid,
                 island=req.island or req.host,
                 value_address=req.value_address,
-                endpoint=Endpoint(
-                    req.address, self._token, pb_grpc.WorkerStub, self._rpc_timeout_s, self._controller_key
-                ),
+                endpoint=self._endpoint(req.address),
             )
             self._workers[record.worker_id] = record
         for old in replaced:
@@ -97,7 +127,7 @@ class Registry:
     def _new_id(self) -> str:
         """A fresh id: the counter never repeats one, and it skips the ids workers kept (a dead
         worker's id is never given to another)."""
-        while (worker_id := f"w{next(self._ids)}") in self._workers:
+        while (worker_id := f"w{next(self._ids)}") in self._workers or worker_id in self._reserved:
             pass
         return worker_id
 
@@ -139,22 +169,33 @@ class Registry:
             return list(self._workers.values())
 
     def live(self) -> list[WorkerRecord]:
-        return [w for w in self.all() if w.alive]
+        """The workers jobs may be placed on: alive, and registered with this controller."""
+        return [w for w in self.all() if w.alive and not w.returning]
 
     def forgive(self, seconds: float) -> None:
         """Do not count the last ``seconds`` as silence of any worker."""
         now = time.monotonic()
-        for record in self.live():
+        for record in self._alive():
             record.last_heartbeat = min(now, record.last_heartbeat + seconds)
+
+    def _alive(self) -> list[WorkerRecord]:
+        return [w for w in self.all() if w.alive]
 
     def sweep(self) -> None:
         now = time.monotonic()
-        for record in self.live():
+        for record in self._alive():
             silent = now - record.last_heartbeat
             if silent > self.heartbeat_timeout_s:
-                self.mark_dead(record, f"no heartbeat for {silent:.1f}s")
+                why = "did not register again after the controller restarted" if record.returning else "no heartbeat"
+                self.mark_dead(record, f"{why} for {silent:.1f}s")
 
     def run_health_checks(self) -> None:
+        """Sweep in the background from now on: the workers a restart expects have the heartbeat
+        timeout from now, when the controller serves, to register again."""
+        now = time.monotonic()
+        for record in self._alive():
+            record.last_heartbeat = max(record.last_heartbeat, now)
+
         def loop():
             period, last = self.heartbeat_interval_s / 2, time.monotonic()
             while not self._stop.wait(period):

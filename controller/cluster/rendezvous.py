@@ -42,9 +42,10 @@ class Rendezvous:
         self._spaces: dict[str, _Namespace] = {}
         self._changed = threading.Condition()
 
-    def open(self, name: str) -> str:
-        """A new, empty namespace; returns its secret."""
-        secret = secrets.token_hex(16)
+    def open(self, name: str, secret: str = "") -> str:
+        """A new, empty namespace; returns its secret (``secret``: a restarted controller's
+        namespace of a job it takes back, whose workers hold that secret)."""
+        secret = secret or secrets.token_hex(16)
         with self._changed:
             self._spaces[name] = _Namespace(secret)
         return secret

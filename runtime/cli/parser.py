@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a dead worker or a failed job still shows in status (status --all shows them all)",
     )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="record workers and jobs in DIR (SQLite): restarted on it, the controller takes its jobs back",
+    )
     _add_common(p, daemon=True)
 
     p = command("worker", "run a worker daemon owning one device")

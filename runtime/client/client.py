@@ -202,10 +202,15 @@ def connect(
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    reconnect_timeout_s: float = 60.0,
 ) -> Client:
     """A client of the controller at ``address`` (``HOST:PORT``; default: $ATOLL_CONTROLLER); the
     token defaults to $ATOLL_TOKEN or the token file ($ATOLL_TOKEN_FILE, else ~/.atoll/token).
     ``tls_ca`` (a PEM file) connects over TLS to a controller started with ``--tls-*``;
     ``tls_cert``/``tls_key`` present a client certificate. Both are checked at once: a wrong token
-    raises ``Unauthenticated`` here, a controller that does not answer ``WorkerUnavailable``."""
-    return open_connection(Client, address, token, token_file, timeout_s, Tls.from_files(tls_ca, tls_cert, tls_key))
+    raises ``Unauthenticated`` here, a controller that does not answer ``ControllerUnavailable``.
+    A step whose controller cannot be reached later is sent again for up to ``reconnect_timeout_s``
+    (a controller restarted on its state directory takes its jobs back), then raises
+    ``ControllerUnavailable``."""
+    tls = Tls.from_files(tls_ca, tls_cert, tls_key)
+    return open_connection(Client, address, token, token_file, timeout_s, tls, reconnect_timeout_s)

@@ -10,7 +10,7 @@ import uuid
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.client.plan import ClusterStatus
-from atoll.errors import InvalidInput
+from atoll.errors import ControllerUnavailable, InvalidInput
 from atoll.net import address as _address
 from atoll.net.auth import resolve_token
 from atoll.net.rpc import Endpoint
@@ -32,10 +32,22 @@ class Connection:
         timeout_s: float = 120.0,
         step_timeout_s: float = 900.0,
         tls: Tls | None = None,
+        reconnect_timeout_s: float = 60.0,
     ):
         self.address = address
-        self._endpoint = Endpoint(address, token, pb_grpc.ControllerStub, default_timeout_s=timeout_s, tls=tls)
+        self._endpoint = Endpoint(
+            address,
+            token,
+            pb_grpc.ControllerStub,
+            default_timeout_s=timeout_s,
+            tls=tls,
+            unavailable=ControllerUnavailable,
+        )
         self.step_timeout_s = step_timeout_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        """How long a step whose controller cannot be reached is sent again before it raises
+        ControllerUnavailable (a controller restarted on its state directory takes its jobs back;
+        atoll.client.job)."""
         self.session = uuid.uuid4().hex
         """This client's session: the jobs it submits live while it renews the session's lease."""
         self._ended = threading.Event()
@@ -81,7 +93,9 @@ class Connection:
         self.close()
 
 
-def open_connection(kind, address, token, token_file, timeout_s: float, tls: Tls | None):
+def open_connection(
+    kind, address, token, token_file, timeout_s: float, tls: Tls | None, reconnect_timeout_s: float = 60.0
+):
     """A ``kind`` (Connection or a subclass) to the controller at ``address`` (default:
     $ATOLL_CONTROLLER), its token resolved as ``resolve_token`` says; the address's form, the
     controller's presence and the token are checked at once."""
@@ -89,7 +103,8 @@ def open_connection(kind, address, token, token_file, timeout_s: float, tls: Tls
     if not address:
         raise InvalidInput(f"no controller address: pass connect(address='HOST:PORT') or set ${CONTROLLER_ENV}")
     address = _address.checked(address, "controller address")
-    connection = kind(address, resolve_token(token, token_file), timeout_s=timeout_s, tls=tls)
+    token = resolve_token(token, token_file)
+    connection = kind(address, token, timeout_s=timeout_s, tls=tls, reconnect_timeout_s=reconnect_timeout_s)
     try:
         # named by the address, not the RPC: "Ping" means nothing to whoever typed the address
         what = f"no controller answered at {address}"

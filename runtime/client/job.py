@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atoll._rpc import atoll_pb2 as pb
+from atoll.client.calls import StepCall
 from atoll.client.export import as_leaves
 from atoll.client.plan import Plan
 from atoll.client.remote import RemoteValue
@@ -44,11 +45,16 @@ class StepFuture:
     """A step on its way: ``result()`` waits for it and returns the mean microbatch loss."""
 
     def __init__(
-        self, job: Job, future, mode: str = "train", reads: tuple[RemoteValue, ...] = (), index: int | None = None
+        self,
+        job: Job,
+        call: StepCall,
+        mode: str = "train",
+        reads: tuple[RemoteValue, ...] = (),
+        index: int | None = None,
     ):
         self._job = job
-        self._future = future
-        """The call's gRPC future: a Step call's, or the Steps call this step went in (at ``index``)."""
+        self._call = call
+        """A Step call, or the Steps call this step went in (at ``index``)."""
         self._index = index
         self._mode = mode
         self._result: StepResult | None = None
@@ -56,16 +62,17 @@ class StepFuture:
         """The remote values the step reads: held while it is on its way, so that a handle the
         caller did not keep (``job.step_async(other.forward(x, keep=True), y)``) is not freed first."""
         for value in reads:
-            value._read_by(future)
+            value._read_by(call)
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._call.done()
 
     def details(self, timeout_s: float | None = None) -> StepResult:
         """The whole result: loss, microbatch losses, step number, per-rank measured memory."""
         if self._result is None:
             try:
-                reply = self._job._client._endpoint.resolve(self._future, self._method, timeout_s)
+                client = self._job._client
+                reply = self._call.reply(timeout_s, client.reconnect_timeout_s, self._job._send_lost_calls)
                 if self._index is not None:
                     reply = reply.replies[self._index]
             except JobFailed:
@@ -84,10 +91,6 @@ class StepFuture:
 
     def result(self, timeout_s: float | None = None) -> float:
         return self.details(timeout_s).loss
-
-    @property
-    def _method(self) -> str:
-        return "Step" if self._index is None else "Steps"
 
 
 class Job:
@@ -150,8 +153,8 @@ class Job:
                     for seq, (inputs, targets) in enumerate(sent, start=first)
                 ]
             )
-            future = self._client._endpoint.future("Steps", request, self._client.step_timeout_s * len(sent))
-            steps = [StepFuture(self, future, "train", index=i) for i in range(len(sent))]
+            call = StepCall(self._client._endpoint, "Steps", request, self._client.step_timeout_s * len(sent))
+            steps = [StepFuture(self, call, "train", index=i) for i in range(len(sent))]
             self._pending += steps
         return steps
 
@@ -186,8 +189,8 @@ class Job:
                 mode=mode,
             )
             self._next_seq += 1
-            future = self._client._endpoint.future("Step", request, self._client.step_timeout_s)
-            step = StepFuture(self, future, mode, (*input_values, *target_values))
+            call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s)
+            step = StepFuture(self, call, mode, (*input_values, *target_values))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
 
@@ -199,7 +202,7 @@ class Job:
         while True:
             with self._lock:
                 self._pending = [f for f in self._pending if not f.done()]
-                calls = len({id(f._future) for f in self._pending})  # the steps of one steps_async: one call
+                calls = len({id(f._call) for f in self._pending})  # the steps of one steps_async: one call
                 oldest = self._pending[0] if calls >= self.max_in_flight else None
             if oldest is None:
                 return
@@ -211,6 +214,14 @@ class Job:
     def step(self, input, target) -> float:
         """One training step on a full batch; returns the mean microbatch loss."""
         return self.step_async(input, target).result()
+
+    def _send_lost_calls(self) -> None:
+        """Send again, in step order, every call of this job that did not reach the controller
+        (atoll.client.calls)."""
+        with self._lock:
+            calls = list({id(f._call): f._call for f in self._pending}.values())
+        for call in calls:
+            call.send_again()
 
     def _wait_for_sent_steps(self) -> None:
         """Wait until every step this client has sent has ended (its own future reports errors)."""

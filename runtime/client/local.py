@@ -49,7 +49,8 @@ class LocalCluster:
     on stderr.
 
     ``metrics_port`` (0: a free one) has the controller serve Prometheus metrics at
-    ``http://{metrics_address}/metrics``.
+    ``http://{metrics_address}/metrics``. ``state_dir`` has the controller record its workers and
+    jobs there (``atoll controller --state-dir``; README "Operations").
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class LocalCluster:
         devices: list[str] | None = None,
         islands: list[str] | None = None,
         metrics_port: int | None = None,
+        state_dir: str | os.PathLike | None = None,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -90,6 +92,7 @@ class LocalCluster:
         self.keep_logs = keep_logs
         self.log_level = log_level
         self.metrics_port = metrics_port
+        self.state_dir = state_dir
         self.metrics_address = ""
         """host:port of the controller's Prometheus metrics (with ``metrics_port``)."""
         self.address = ""
@@ -179,6 +182,7 @@ class LocalCluster:
                     "--status-grace",
                     str(self.status_grace_s),
                     *([] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]),
+                    *([] if self.state_dir is None else ["--state-dir", os.fspath(self.state_dir)]),
                 ],
             )
             # the ready file: the address, then "metrics HOST:PORT" when the controller serves metrics

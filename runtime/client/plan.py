@@ -178,7 +178,7 @@ class ClusterStatus:
             )
         lines.append(f"workers ({sum(w.alive for w in self.workers)} alive):")
         for w in self.workers:
-            state = "alive" if w.alive else "dead"
+            state = "returning" if w.returning else "alive" if w.alive else "dead"
             memory = f"rss {_mib(w.rss_bytes)} MiB" if w.rss_bytes else "rss -"
             lines.append(
                 f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} island={w.island} pid={w.pid} "
@@ -224,6 +224,8 @@ class WorkerStatus:
     island: str
     rss_bytes: int = 0
     """Resident memory of the worker's process at its last heartbeat (0: not reported yet)."""
+    returning: bool = False
+    """Known from a restarted controller's state directory, and not registered again yet (not alive)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ class RemoteValue:
         self._readers: list = []  # the calls of steps sent with this value, while unfinished
 
     def _read_by(self, call) -> None:
-        """A step sent with this value (its gRPC future): ``free`` waits for it to end."""
+        """A step sent with this value (its StepCall): ``free`` waits for it to end."""
         self._readers = [c for c in self._readers if not c.done()] + [call]
 
     @property
@@ -55,10 +55,7 @@ class RemoteValue:
         if not self._freed:
             self._freed = True
             for call in self._readers:
-                try:
-                    call.exception()  # waits for the call to end; its own error goes to its own caller
-                except Exception:  # noqa: BLE001 (cancelled, or the channel closed)
-                    pass
+                call.wait()
             self._readers = []
             self._client._call("FreeValue", self.ref)
 

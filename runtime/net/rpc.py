@@ -29,7 +29,14 @@ MAX_MESSAGE_BYTES = 1 << 30
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # a daemon that restarts (a controller on its state directory) is tried again within a
+    # second or two, not after gRPC's default backoff of up to two minutes
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+ATOLL_ERROR_KEY = "atoll-error"
+"""Trailing metadata of an error a daemon raised itself (naming its class): an UNAVAILABLE without
+it is the transport's, the daemon was not reached (``unreachable``)."""
 
 
 def _channel(api, address: str, tls: _tls.Tls | None):
@@ -115,6 +122,7 @@ def rpc_handler(method):
         try:
             return method(self, request, context)
         except errors.AtollError as e:
+            context.set_trailing_metadata(((ATOLL_ERROR_KEY, type(e).__name__),))
             context.abort(e.code, str(e))
         except Exception as e:  # a bug or an unexpected torch error: report it, keep serving
             log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
@@ -131,6 +139,7 @@ def rpc_stream_handler(method):
         try:
             yield from method(self, request, context)
         except errors.AtollError as e:
+            context.set_trailing_metadata(((ATOLL_ERROR_KEY, type(e).__name__),))
             context.abort(e.code, str(e))
         except Exception as e:
             log.error("%s failed:\n%s", method.__name__, traceback.format_exc())
@@ -168,8 +177,11 @@ class Endpoint:
         default_timeout_s: float = 60.0,
         controller_key: str = "",
         tls: _tls.Tls | None = None,
+        unavailable: type[errors.AtollError] = errors.WorkerUnavailable,
     ):
         self.address = address
+        self.unavailable = unavailable
+        """The error of a call that did not reach the daemon."""
         self._channel = _channel(grpc, address, _tls.current(tls))
         self._stub = stub_class(self._channel)
         self._service = _service_of(stub_class)
@@ -185,7 +197,7 @@ class Endpoint:
                 return _chunked_reply(self._service, method, *chunked.assemble(replies))
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise as_atoll_error(e, what or f"{method} on {self.address}") from None
+            raise as_atoll_error(e, what or f"{method} on {self.address}", self.unavailable) from None
 
     def stream(self, method: str, request, timeout_s: float | None = None):
         """A server-streaming call: an iterator of replies; errors come as atoll errors."""
@@ -194,7 +206,7 @@ class Endpoint:
         try:
             yield from replies
         except grpc.RpcError as e:
-            raise as_atoll_error(e, f"{method} on {self.address}") from None
+            raise as_atoll_error(e, f"{method} on {self.address}", self.unavailable) from None
 
     def future(self, method: str, request, timeout_s: float | None = None) -> grpc.Future:
         """Start a call without waiting; ``resolve(future)`` gets its reply or atoll error."""
@@ -207,7 +219,7 @@ class Endpoint:
         except grpc.FutureTimeoutError:
             raise errors.DeadlineExceeded(f"{method} on {self.address}: no answer within {timeout_s}s") from None
         except grpc.RpcError as e:
-            raise as_atoll_error(e, f"{method} on {self.address}") from None
+            raise as_atoll_error(e, f"{method} on {self.address}", self.unavailable) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -297,10 +309,21 @@ class AsyncCalls:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-def as_atoll_error(e: grpc.RpcError, what: str) -> errors.AtollError:
+def unreachable(e: BaseException | None) -> bool:
+    """Whether a call's error says its daemon was not reached (or went away mid-call), rather than
+    an error the daemon raised itself."""
+    if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return not any(key == ATOLL_ERROR_KEY for key, _ in trailing or ())
+
+
+def as_atoll_error(e: grpc.RpcError, what: str, unavailable=errors.WorkerUnavailable) -> errors.AtollError:
+    """The atoll error of a failed call; ``unavailable`` is the error of a daemon not reached
+    (ControllerUnavailable for a client's calls). An UNAVAILABLE the daemon raised keeps its words."""
     code, details = e.code(), e.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return errors.WorkerUnavailable(f"{what}: daemon unreachable ({details})")
+    if unreachable(e):
+        return unavailable(f"{what}: {unavailable.DAEMON} unreachable ({details})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DeadlineExceeded(f"{what}: no answer before the deadline")
     return errors.from_status(code, details)

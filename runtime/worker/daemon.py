@@ -97,6 +97,8 @@ class WorkerDaemon:
         gpu_uuid = ""
         if self.device.startswith("cuda"):
             gpu_uuid = str(torch.cuda.get_device_properties(torch.device(self.device)).uuid)
+        # the controller numbers a registration's work from 1, and may send some as soon as it answers
+        self.service.turnstile.reset()
         reply = self._controller.call(
             "RegisterWorker",
             pb.RegisterWorkerRequest(
@@ -108,11 +110,20 @@ class WorkerDaemon:
                 island=self.island,
                 value_address=self.service.values.address,
                 worker_id=self.worker_id,  # registering again: the same id, unless another worker has it
+                held_jobs=self.service.held_jobs(),
             ),
         )
         if self.worker_id:  # registering again: the controller restarted or declared us dead
-            log.warning("registering again as %s; dropping the jobs of %s", reply.worker_id, self.worker_id)
-            self.service.drop_all_jobs()
+            kept = set(reply.keep_jobs)  # a restarted controller with its state takes its jobs back
+            dropped = sorted({h.job_id for h in self.service.held_jobs()} - kept)
+            log.warning(
+                "registered again as %s (was %s); keeping jobs [%s], dropping [%s]",
+                reply.worker_id,
+                self.worker_id,
+                ", ".join(sorted(kept)),
+                ", ".join(dropped),
+            )
+            self.service.keep_only(kept)
         self.worker_id = reply.worker_id
         self.service.controller_key = reply.controller_key
         if self._keyed is not None:
@@ -125,11 +136,16 @@ class WorkerDaemon:
             controller_key=reply.controller_key,
         )
         self.service.relay.use_controller_key(reply.controller_key)
-        self.service.turnstile.reset()  # the controller numbers a new registration's work from 1
         self._interval = reply.heartbeat_interval_s or 1.0
         _log.set_worker(self.worker_id)
         self.health.set(True)
         log.info("registered as %s at %s", self.worker_id, self.address)
+        # at once, not after an interval: a restarted controller sends a job it takes back nothing
+        # before this worker's first heartbeat with the new key (it holds that key by now)
+        try:
+            self._keyed.call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes()))
+        except AtollError as e:
+            log.warning("first heartbeat to %s failed: %s", self.controller_address, e)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._interval):

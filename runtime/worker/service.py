@@ -6,6 +6,7 @@ the job's executor, the plan loader (atoll.worker.loader) or the value store.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -27,6 +28,7 @@ from atoll.net.auth import from_controller
 from atoll.net.relay import Relay
 from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
 from atoll.worker.executor.interpreter import PipelineExecutor
+from atoll.worker.ledger import StepLedger
 from atoll.worker.loader import PlanLoader
 from atoll.worker.turnstile import Turnstile
 from atoll.worker.values import ValueStore, pull
@@ -58,6 +60,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._token = token
         self.values = ValueStore(bind_host or host, token, advertise_host=host)
         self._jobs: dict[str, PipelineExecutor] = {}
+        self._ledgers: dict[str, StepLedger] = {}
+        """Per loaded job, its steps here: a step sent twice runs once (atoll.worker.ledger)."""
+        self._stepping: dict[str, int] = {}
+        """Per job whose step runs now, that call's gang position (``Unload`` releases it)."""
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
         self.relay = Relay(token, self._step_in_turn)
@@ -73,11 +79,23 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise NotFound(f"job {job_id!r} is not loaded on this worker")
         return executor
 
-    def drop_all_jobs(self) -> None:
-        """Forget every job: a new controller does not know them, so nobody could close them."""
+    def _ledger(self, job_id: str) -> StepLedger:
+        self._job(job_id)  # the same error for a job that is not here
         with self._lock:
-            executors, self._jobs = list(self._jobs.values()), {}
-        for executor in executors:
+            return self._ledgers[job_id]
+
+    def held_jobs(self) -> list[pb.HeldJob]:
+        """The jobs loaded here and how far their steps got (sent when registering again)."""
+        with self._lock:
+            return [ledger.held(job_id) for job_id, ledger in self._ledgers.items()]
+
+    def keep_only(self, job_ids: set[str]) -> None:
+        """Forget every job but ``job_ids``: the controller does not know the others (it restarted
+        without their records, or declared this worker dead), so nobody could close them."""
+        with self._lock:
+            dropped = [self._jobs.pop(j) for j in list(self._jobs) if j not in job_ids]
+            self._ledgers = {j: ledger for j, ledger in self._ledgers.items() if j in job_ids}
+        for executor in dropped:
             executor.close()
 
     @rpc_handler
@@ -99,12 +117,37 @@ class WorkerService(pb_grpc.WorkerServicer):
         executor = PlanLoader(device=self.device, host=self.host, controller=self.controller).load(request)
         with self._lock:
             self._jobs[request.job_id] = executor
+            self._ledgers[request.job_id] = StepLedger(request.store_namespace)
         log.info("loaded job %s as worker %d (%d actions)", request.job_id, request.mesh.worker, len(request.actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
 
     def _step_in_turn(self, request: pb.RunStepRequest) -> pb.RunStepReply:
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
-            return self._step(request)
+        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
+            return self._step_once(request)
+
+    @contextlib.contextmanager
+    def _stepping_at(self, request):
+        """While the job's step runs, its gang position is known: unloading the job (it failed, a
+        peer died) lets the order go on without waiting for a step stuck on that peer."""
+        steps = [request] if isinstance(request, pb.RunStepRequest) else request.steps
+        job_id = steps[0].job_id if steps else ""
+        with self._lock:
+            self._stepping[job_id] = request.gang_seq
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._stepping.get(job_id) == request.gang_seq:
+                    del self._stepping[job_id]
+
+    def _step_once(self, request: pb.RunStepRequest) -> pb.RunStepReply:
+        """Run the step, unless it came before: then its earlier run's reply (atoll.worker.ledger)."""
+        ledger, wait_s = self._ledger(request.job_id), self._earlier_wait_s(request.job_id)
+        return ledger.run(request.step, request.mode or "train", lambda: self._step(request), wait_s)
+
+    def _earlier_wait_s(self, job_id: str) -> float:
+        """How long a step sent again waits for its earlier run: that run's data-plane deadline and more."""
+        return 2 * self._job(job_id).timeout_s
 
     @rpc_handler
     @controller_only
@@ -115,8 +158,23 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def RunSteps(self, request: pb.RunStepsRequest, context):
         """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
-            return pb.RunStepsReply(replies=[self._step(step) for step in request.steps])
+        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
+            if not request.steps:
+                return pb.RunStepsReply()
+            job_id = request.steps[0].job_id
+            ledger, wait_s = self._ledger(job_id), self._earlier_wait_s(job_id)
+            earlier = [ledger.claim(step.step) for step in request.steps]  # all at once: a second sending waits
+            replies = []
+            for i, (step, before) in enumerate(zip(request.steps, earlier)):
+                try:
+                    if before is None:
+                        replies.append(ledger.settle(step.step, step.mode or "train", lambda s=step: self._step(s)))
+                    else:
+                        replies.append(ledger.earlier(step.step, before, wait_s))
+                except BaseException as e:
+                    ledger.abandon([s.step for s, b in zip(request.steps[i + 1 :], earlier[i + 1 :]) if b is None], e)
+                    raise
+            return pb.RunStepsReply(replies=replies)
 
     @rpc_handler
     @controller_only
@@ -128,9 +186,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def RunStepStream(self, request: pb.RunStepRequest, context):
         """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             yield pb.RunStepEvent(started=True)
-            reply = self._step(request)
+            reply = self._step_once(request)
         yield pb.RunStepEvent(reply=reply)
 
     @_log.in_context(lambda request: (request.job_id, request.step))
@@ -231,8 +289,16 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Unload(self, request: pb.JobRef, context):
         with self._lock:
             executor = self._jobs.pop(request.job_id, None)
+            self._ledgers.pop(request.job_id, None)
+            stuck = self._stepping.pop(request.job_id, 0)
         if executor is None:
             raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
+        if self.turnstile.release(stuck):
+            log.warning(
+                "job %s unloaded while its step (gang position %d) still waits; the order goes on",
+                request.job_id,
+                stuck,
+            )
         executor.close()
         return pb.Empty()
 

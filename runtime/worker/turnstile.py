@@ -15,7 +15,7 @@ import contextlib
 import threading
 import time
 
-from atoll.errors import InvalidInput
+from atoll.errors import InvalidInput, WorkerUnavailable
 
 
 class Turnstile:
@@ -25,17 +25,41 @@ class Turnstile:
         self._next = 1
         self._present: set[int] = set()
         self._floor = 1
+        self._epoch = 0
+        """Counts registrations: a call of an earlier one never takes a turn of the current one."""
+        self._released: set[int] = set()
         self.skipped: list[int] = []
 
     def reset(self) -> None:
-        """A new controller (re-registration) numbers from 1 again."""
+        """A new controller (re-registration) numbers from 1 again. Calls of the old numbering
+        still waiting fail (their sender is gone); one running ends without moving the new order."""
         with self._cond:
-            self._next, self._floor = 1, 1
+            self._next, self._floor, self._epoch = 1, 1, self._epoch + 1
+            self._present.clear()
+            self._released.clear()
             self._cond.notify_all()
 
-    def _wait_for(self, seq: int) -> None:
+    def release(self, seq: int) -> bool:
+        """Let the order go on past ``seq`` while its call still runs: its job was unloaded, and
+        the call waits in the data plane for a peer that died or froze; it ends at that wait's
+        deadline, and nobody reads its reply. False if ``seq`` is not the call running now."""
+        with self._cond:
+            if seq == 0 or self._next != seq or seq not in self._present:
+                return False
+            self._present.discard(seq)
+            self._released.add(seq)
+            self._next = seq + 1
+            self._cond.notify_all()
+            return True
+
+    def _wait_for(self, seq: int, epoch: int) -> None:
         deadline = None
-        while self._next != seq:
+        while self._next != seq or self._epoch != epoch:
+            if self._epoch != epoch:
+                raise WorkerUnavailable(
+                    f"gang position {seq} came from a controller this worker no longer serves "
+                    f"(it registered again since); the call is dropped"
+                )
             if self._next in self._present:  # the call ahead is here: it finishes or fails on its own
                 deadline = None
                 self._cond.wait()
@@ -64,17 +88,22 @@ class Turnstile:
                     f"gang position {seq} arrived after position {self._next - 1} ran "
                     f"(it was skipped as missing, or sent twice)"
                 )
+            epoch = self._epoch
             self._present.add(seq)
             self._cond.notify_all()
             try:
-                self._wait_for(seq)
+                self._wait_for(seq, epoch)
             except BaseException:
-                self._present.discard(seq)
+                if self._epoch == epoch:
+                    self._present.discard(seq)
                 raise
         try:
             yield
         finally:
             with self._cond:
-                self._present.discard(seq)
-                self._next = seq + 1
-                self._cond.notify_all()
+                if seq in self._released:  # the order went on without it
+                    self._released.discard(seq)
+                elif self._epoch == epoch:
+                    self._present.discard(seq)
+                    self._next = seq + 1
+                    self._cond.notify_all()

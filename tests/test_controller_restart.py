@@ -1,0 +1,250 @@
+"""Issue 25: jobs survive a controller restart. Daemons started by hand (`atoll controller
+--state-dir`, `atoll worker`), a 4-stage job trains in float64 under AdamW; the controller is
+SIGKILLed with steps in flight and started again on the same port and state directory. The
+client's unanswered steps go out again and succeed; losses and weights equal a single-process
+run's (so no step ran twice, none was lost), and status lists every worker once, with its id."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import atoll
+from atoll.client.local import stop_processes
+from tests import models
+from tests.procs import wait_for_file
+from tests.reference import RTOL, assert_matches_reference, train_reference
+
+pytestmark = pytest.mark.cluster  # every test here starts processes
+
+ROOT = Path(__file__).resolve().parent.parent
+ATOLL = [sys.executable, "-m", "atoll.cli"]
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+HEARTBEAT_TIMEOUT_S = 3.0
+# From the kill to every unanswered step answered: the controller's start (Python, torch, compiling
+# the job again: about 3 s here) and the workers registering again (a heartbeat interval). The issue
+# asks for under 10 s after the restart.
+BACK_WITHIN_S = 10.0
+
+
+class Daemons:
+    """`atoll controller` and `atoll worker` processes of one test, all stopped at its end."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp, self.token = tmp_path, tmp_path / "token"
+        self.procs: list[subprocess.Popen] = []
+        self.port = 0
+        self._count = 0
+
+    def _start(self, *args: str) -> tuple[subprocess.Popen, str]:
+        self._count += 1
+        ready = self.tmp / f"{self._count}.ready"
+        log = open(self.tmp / f"{self._count}-{args[0]}.log", "w")
+        cmd = [*ATOLL, *args, "--token-file", str(self.token), "--ready-file", str(ready)]
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        return self.procs[-1], wait_for_file(ready, self.procs[-1])
+
+    def controller(self, state: str = "state") -> subprocess.Popen:
+        proc, address = self._start(
+            "controller",
+            *("--port", str(self.port), "--state-dir", str(self.tmp / state)),
+            *("--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)),
+        )
+        self.port = int(address.rsplit(":", 1)[1])
+        return proc
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def worker(self) -> subprocess.Popen:
+        return self._start("worker", "--controller", self.address)[0]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+
+@pytest.fixture()
+def daemons(tmp_path):
+    d = Daemons(tmp_path)
+    yield d
+    stop_processes(d.procs)
+
+
+def _float64_mlp():
+    model, batches, loss_fn = models.mlp()
+    batches = [(x.double(), y.double()) for x, y in batches * 2]  # 10 steps
+    return model.double(), batches, loss_fn
+
+
+def _live_workers(client, count: int) -> dict[str, int]:
+    """id -> pid of the live workers once ``count`` are; every listed id once."""
+    deadline = time.monotonic() + 30
+    while True:
+        listed = client.status().workers
+        live = {w.worker_id: w.pid for w in listed if w.alive}
+        if len(live) == count:
+            assert len({w.worker_id for w in listed}) == len(listed), listed
+            return live
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+
+
+def _kill_mid_step(daemons, job, batches, controller) -> tuple[list, float]:
+    """Send four steps, SIGKILL the controller while they are in flight, start it again; returns
+    the futures and when the kill happened."""
+    futures = [job.step_async(*b) for b in batches]
+    controller.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    controller.wait(10)
+    daemons.controller()
+    return futures, killed
+
+
+def test_a_killed_controller_takes_its_job_back_and_no_step_runs_twice(daemons, record_property):
+    model, batches, loss_fn = _float64_mlp()
+    expected_losses, expected_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
+    controller = daemons.controller()
+    for _ in range(4):
+        daemons.worker()
+    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
+        workers = _live_workers(client, 4)
+        x, y = batches[0]
+        job = client.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=4, microbatches=2,
+            optimizer="adamw", optimizer_args=ADAMW, name="survivor",
+        )  # fmt: skip
+        losses = [job.step(*b) for b in batches[:3]]
+
+        futures, killed = _kill_mid_step(daemons, job, batches[3:7], controller)
+        record_property("answered_before_the_kill", sum(f.done() for f in futures))
+        losses += [f.result() for f in futures]
+        back = time.monotonic() - killed
+        record_property("kill_to_every_step_answered_s", round(back, 2))
+        assert back < BACK_WITHIN_S, f"{back:.1f} s\n{daemons.logs()}"
+
+        losses += [job.step(*b) for b in batches[7:]]
+        assert_matches_reference(losses, job.state_dict(), expected_losses, expected_state, RTOL)
+
+        assert _live_workers(client, 4) == workers  # each worker once, with its old id and process
+        (status,) = [j for j in client.status().jobs if j.job_id == job.id]
+        assert status.state == "ready" and status.steps == len(batches)
+        job.close()
+
+
+def test_a_job_that_lost_a_worker_while_the_controller_was_down_resumes_on_a_spare(daemons, tmp_path):
+    model, batches, loss_fn = _float64_mlp()
+    expected_losses, expected_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
+    controller = daemons.controller()
+    workers = [daemons.worker() for _ in range(5)]
+    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
+        _live_workers(client, 5)
+        x, y = batches[0]
+        job = client.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=4, microbatches=2,
+            optimizer="adamw", optimizer_args=ADAMW, auto_resume=True, checkpoint_every=3,
+            checkpoint_path=tmp_path / "ckpt",
+        )  # fmt: skip
+        losses = [job.step(*b) for b in batches[:5]]  # a checkpoint after step 3, steps 4 and 5 journaled
+        by_pid = {w.pid: w for w in workers}
+        placed = {w.worker_id: w.pid for w in client.status().workers if job.id in w.jobs}
+        victim_id = job.plan.report["placement"]["2"].split()[0]
+
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(10)
+        victim = by_pid[placed[victim_id]]
+        victim.kill()  # while the controller is down
+        victim.wait(10)
+        daemons.controller()
+        losses += [job.step(*b) for b in batches[5:]]
+        assert_matches_reference(losses, job.state_dict(), expected_losses, expected_state, RTOL)
+
+        report = client.job(job.id).plan.report
+        (restore,) = report["restores"]
+        assert restore["lost"] == [victim_id] and victim_id not in restore["workers"]
+        assert restore["from_step"] == 3 and restore["replayed_steps"] == 2
+        listed = {w.worker_id: w for w in client.status(all=True).workers}
+        assert not listed[victim_id].alive
+        job.close()
+
+
+def test_a_controller_restarted_on_an_empty_state_directory_knows_each_worker_once(daemons):
+    """No records: the workers register again, asking for their ids (no collision, as there is no
+    other holder); one killed afterwards is reported dead within the heartbeat timeout."""
+    controller = daemons.controller("first")
+    workers = [daemons.worker() for _ in range(2)]
+    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
+        before = _live_workers(client, 2)
+        controller.kill()
+        controller.wait(10)
+        daemons.controller("empty")
+        assert _live_workers(client, 2) == before
+        workers[0].kill()
+        workers[0].wait(10)
+        killed = time.monotonic()
+        (left,) = _live_workers(client, 1).values()
+        assert left == workers[1].pid
+        assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 5  # room for a loaded machine
+
+
+def test_a_controller_that_does_not_come_back_fails_the_step_naming_it(daemons):
+    """The client sends its unanswered step again for ``reconnect_timeout_s``, then raises
+    ControllerUnavailable naming the controller's address (not a worker's)."""
+    model, batches, loss_fn = _float64_mlp()
+    controller = daemons.controller()
+    daemons.worker()
+    with atoll.connect(daemons.address, token_file=str(daemons.token), reconnect_timeout_s=2.0) as client:
+        _live_workers(client, 1)
+        x, y = batches[0]
+        job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=1, microbatches=2)
+        job.step(x, y)
+        controller.kill()
+        controller.wait(10)
+        started = time.monotonic()
+        with pytest.raises(atoll.ControllerUnavailable, match=f"{daemons.address}: controller unreachable") as err:
+            job.step(x, y)
+        assert "may or may not have run" in str(err.value) and time.monotonic() - started < 2.0 + 10
+        with pytest.raises(atoll.ControllerUnavailable, match=daemons.address):
+            client.status()
+
+
+def test_the_state_directory_keeps_its_records_across_opening(tmp_path):
+    """The store by itself: what one controller records, the next reads back."""
+    from atoll._rpc import atoll_pb2 as pb
+    from atoll.controller.statedir import JobRow, StateDir, WorkerRow
+
+    store = StateDir(tmp_path / "state")
+    store.worker(WorkerRow("w0", "127.0.0.1:1", "cpu", "a", "host"))
+    store.worker(WorkerRow("w1", "127.0.0.1:2", "cpu", "a", "host"))
+    store.worker_died("w1")
+    store.next_job(3)
+    row = JobRow("job2", "n", "s", ("",), ("w0",), "", "", "loading", "", 0, {})
+    store.job_admitted(row, pb.PipelineProgram(session="s"))
+    store.job_loaded("job2", ["w0"], "job2.ab", "secret", 5, {"name": "n"})
+    store.job_state("job2", "ready")
+    step = pb.StepRequest(job_id="job2", seq=6)
+    store.journal_append("job2", 6, step, 0.5)
+    store.journal_append("job2", 7, step, 0.25)
+    store.job_admitted(JobRow("job1", "m", "", (), ("w0",), "", "", "loading", "", 0, {}), pb.PipelineProgram())
+    store.job_closed("job1")
+    store.close()
+
+    read = StateDir(tmp_path / "state").read()
+    assert [(w.worker_id, w.alive) for w in read.workers] == [("w0", True), ("w1", False)]
+    assert read.next_job == 3 and read.closed == {"job1"}
+    (job,) = read.jobs
+    assert (job.job_id, job.placement, job.namespace, job.secret, job.state) == (
+        "job2",
+        ("w0",),
+        "job2.ab",
+        "secret",
+        "ready",
+    )
+    assert job.steps_at_load == 5 and job.report == {"name": "n"}
+    assert pb.PipelineProgram.FromString(job.program).session == "s"
+    assert [(seq, loss) for seq, _, loss in job.journal] == [(6, 0.5), (7, 0.25)]
+    assert not (tmp_path / "state" / "programs" / "job1.pb").exists()
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
