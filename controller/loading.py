@@ -132,7 +132,10 @@ class Loader:
             if isinstance(e.error, InvalidInput):  # a worker refused the checkpoint: say why
                 raise InvalidInput(f"job {job.job_id} could not be loaded: {e}") from None
             raise JobFailed(f"job {job.job_id} could not be loaded: {e}") from None
-        job.state, job.loaded_at = JobState.READY, time.monotonic()
+        with job.order:  # a worker may have died during the load: the job failed, and stays failed
+            if job.state is JobState.FAILED:
+                raise JobFailed(f"job {job.job_id} could not be loaded: {job.error}")
+            job.state, job.loaded_at = JobState.READY, time.monotonic()
         self.records.job_state(job.job_id, JobState.READY.value)
         log.info("job %s ready on %s", job.job_id, ", ".join(w.worker_id for w in job.workers))
         return pb.SubmitReply(job_id=job.job_id, plan_json=json.dumps(job.report))

@@ -114,7 +114,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         """Known only with the key this controller gave at registration: a worker that registered
         with an earlier controller (restarted on the same address) drops its jobs and registers again."""
         mine = from_controller(context, self.controller_key)
-        known = mine and self.registry.heartbeat(request.worker_id, request.rss_bytes)
+        known = mine and self.registry.heartbeat(request.worker_id, request.rss_bytes, request.running_steps)
         if known:
             self.recovery.heard(self.registry.get(request.worker_id))  # after a restart: its jobs taken back
         return pb.HeartbeatReply(known=known)

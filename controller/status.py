@@ -44,6 +44,7 @@ class Reports:
             workers=[
                 pb.WorkerInfo(
                     **_same(w, "worker_id", "address", "device", "host", "pid", "island", "rss_bytes", "returning"),
+                    running_steps=w.running_steps,
                     alive=w.alive and not w.returning,
                     seconds_since_heartbeat=now - w.last_heartbeat,
                     jobs=sorted(w.jobs),

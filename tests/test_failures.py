@@ -113,6 +113,11 @@ def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(reco
             assert set(placed_fresh) == set(placed[job.id]) - {victim}
             assert time.monotonic() - started < 20.0  # not the data plane's 60 s
             fresh.close()
+            survivors = set(placed[job.id]) - {victim}
+            deadline = time.monotonic() + 5  # a heartbeat or two: the stuck steps are reported
+            while not any(w.running_steps for w in client.status().workers if w.worker_id in survivors):
+                assert time.monotonic() < deadline, "the survivors' steps stuck on the frozen worker went unreported"
+                time.sleep(0.2)
             before_waking = len(beside)
         finally:
             os.kill(pids[victim], signal.SIGCONT)
@@ -125,5 +130,13 @@ def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(reco
         stop.set()
         trainer.join(60)
         assert not failures and len(beside) > before_waking > 0
+
+        # no step is left running anywhere: the woken worker went on with its step or dropped the
+        # job, so the survivors' waits on it ended (each worker reports its running steps)
+        woke = time.monotonic()
+        while any(w.running_steps for w in client.status().workers):
+            assert time.monotonic() - woke < 15, [(w.worker_id, w.running_steps) for w in client.status().workers]
+            time.sleep(0.2)
+        record_property("no_step_running_after_waking_s", time.monotonic() - woke)
         other.close()
         job.close()

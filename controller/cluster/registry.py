@@ -36,6 +36,9 @@ class WorkerRecord:
     jobs: set[str] = field(default_factory=set)
     rss_bytes: int = 0
     """Resident memory of the worker's process, from its last heartbeat."""
+    running_steps: int = 0
+    """Step calls running on the worker at its last heartbeat (a step stuck in the data plane for a
+    failed job included: it ends at that wait's deadline)."""
     returning: bool = False
     """Known from the state directory of a restarted controller, not registered again yet: not
     placed on, and dead once silent for the heartbeat timeout (controller/recovery.py)."""
@@ -131,13 +134,14 @@ class Registry:
             pass
         return worker_id
 
-    def heartbeat(self, worker_id: str, rss_bytes: int = 0) -> bool:
+    def heartbeat(self, worker_id: str, rss_bytes: int = 0, running_steps: int = 0) -> bool:
         with self._lock:
             record = self._workers.get(worker_id)
             if record is None or not record.alive:
                 return False
             record.last_heartbeat = time.monotonic()
             record.rss_bytes = max(0, rss_bytes)
+            record.running_steps = max(0, running_steps)
             return True
 
     def deregister(self, worker_id: str, reason: str) -> WorkerRecord | None:

@@ -183,6 +183,7 @@ class ClusterStatus:
             lines.append(
                 f"  {w.worker_id:5} {state:5} {w.device:7} {w.address:21} host={w.host} island={w.island} pid={w.pid} "
                 f"{memory}  heartbeat {w.seconds_since_heartbeat:.1f}s ago  jobs={','.join(w.jobs) or '-'}"
+                + (f"  steps running {w.running_steps}" if w.running_steps else "")
             )
         lines.append(f"jobs ({len(self.jobs)}):")
         for j in self.jobs:
@@ -226,6 +227,9 @@ class WorkerStatus:
     """Resident memory of the worker's process at its last heartbeat (0: not reported yet)."""
     returning: bool = False
     """Known from a restarted controller's state directory, and not registered again yet (not alive)."""
+    running_steps: int = 0
+    """Step calls running on it at its last heartbeat, one stuck in the data plane for a failed job
+    included (it ends at that wait's deadline, or when the peer it waits for goes away)."""
 
 
 @dataclass(frozen=True, slots=True)

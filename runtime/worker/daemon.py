@@ -143,9 +143,14 @@ class WorkerDaemon:
         # at once, not after an interval: a restarted controller sends a job it takes back nothing
         # before this worker's first heartbeat with the new key (it holds that key by now)
         try:
-            self._keyed.call("Heartbeat", pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes()))
+            self._keyed.call("Heartbeat", self._beat())
         except AtollError as e:
             log.warning("first heartbeat to %s failed: %s", self.controller_address, e)
+
+    def _beat(self) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(
+            worker_id=self.worker_id, rss_bytes=rss_bytes(), running_steps=self.service.running_steps
+        )
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._interval):
@@ -153,7 +158,7 @@ class WorkerDaemon:
                 if not self.worker_id:
                     self._register()
                     continue
-                beat = pb.HeartbeatRequest(worker_id=self.worker_id, rss_bytes=rss_bytes())
+                beat = self._beat()
                 reply = self._keyed.call("Heartbeat", beat)
                 if not reply.known:
                     log.warning("controller does not know %s; registering again", self.worker_id)

@@ -64,6 +64,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Per loaded job, its steps here: a step sent twice runs once (atoll.worker.ledger)."""
         self._stepping: dict[str, int] = {}
         """Per job whose step runs now, that call's gang position (``Unload`` releases it)."""
+        self.running_steps = 0
+        """Step calls running now, released ones included (reported with each heartbeat)."""
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
         self.relay = Relay(token, self._step_in_turn)
@@ -133,10 +135,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         job_id = steps[0].job_id if steps else ""
         with self._lock:
             self._stepping[job_id] = request.gang_seq
+            self.running_steps += 1
         try:
             yield
         finally:
             with self._lock:
+                self.running_steps -= 1
                 if self._stepping.get(job_id) == request.gang_seq:
                     del self._stepping[job_id]
 
