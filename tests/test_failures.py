@@ -140,3 +140,26 @@ def test_a_frozen_worker_fails_its_jobs_step_in_seconds_and_registers_again(reco
         record_property("no_step_running_after_waking_s", time.monotonic() - woke)
         other.close()
         job.close()
+
+
+def test_a_data_plane_timeout_names_the_frozen_peer_not_the_neighbour_that_timed_out():
+    """The data plane's deadline (2 s) comes before the heartbeat timeout (60 s): the survivor
+    whose receive timed out reports first, yet the error names the frozen worker it waited for."""
+    import os
+    import signal
+
+    with atoll.LocalCluster(workers=3, heartbeat_timeout_s=60.0) as cluster, cluster.client() as client:
+        job, _, batches, _ = models.submit(client, stages=3, microbatches=2, data_plane_timeout_s=2.0)
+        x, y = batches[0]
+        job.step(x, y)
+        status = client.status()
+        victim = next(j for j in status.jobs if j.job_id == job.id).workers[1]
+        pid = {w.worker_id: w.pid for w in status.workers}[victim]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(atoll.JobFailed) as err:
+                job.step(x, y)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        message = str(err.value)
+        assert message.index(f"worker {victim} ") < message.index("a peer reported"), message
