@@ -72,6 +72,7 @@ class ControllerService(pb_grpc.ControllerServicer):
         )
         self.rendezvous = Rendezvous()
         self.dispatcher = Dispatcher(token, controller_key=self.controller_key)
+        self.registry.busy = self.dispatcher.loading  # a worker taking a large plan may miss heartbeats
         self.jobs = JobTable(self.records)
         self.gate = FairGate()
         self.values = RemoteValues(self.registry, self.jobs.lock)

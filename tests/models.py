@@ -159,6 +159,48 @@ def hf_gpt2(transformers, batch: int = 8):
     return model, [(tokens(), tokens()) for _ in range(3)]
 
 
+class _FusedGateUp(nn.Module):
+    """A SwiGLU MLP whose gate and up projections are one linear layer, chunked (as Phi-3 writes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.gate_up_proj, self.down_proj = nn.Embedding(32, 32), nn.Linear(32, 128), nn.Linear(64, 32)
+        self.out = nn.Linear(32, 32)
+
+    def forward(self, idx):
+        h = self.inp(idx)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.out(h + self.down_proj(F.silu(gate) * up))
+
+
+def fused_gate_up(seed: int = 0) -> tuple[nn.Module, list, callable]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randint(0, 32, (8, 16), generator=g), torch.randint(0, 32, (8, 16), generator=g)) for _ in range(3)
+    ]
+    return _FusedGateUp(), batches, lm_loss
+
+
+def hf_llama(transformers, family: str = "llama", batch: int = 8):
+    """A tiny, randomly initialized Llama-family causal LM from transformers, returning logits only:
+    4 attention heads over 2 key/value heads (grouped-query), rotary positions, SwiGLU, RMSNorm.
+    ``family``: "llama", "llama-bias" (q/k/v/o biases, as Qwen2 has on q/k/v) or "mistral"; and
+    three batches of ``batch`` x 16 tokens."""
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    if family == "mistral":
+        lm = transformers.MistralForCausalLM(transformers.MistralConfig(**shape))
+    else:
+        lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, attention_bias=family == "llama-bias"))
+    g = torch.Generator().manual_seed(1)
+    tokens = lambda: torch.randint(0, 64, (batch, 16), generator=g)  # noqa: E731
+    return LogitsOnly(lm), [(tokens(), tokens()) for _ in range(3)]
+
+
 def compile_locally(model: nn.Module, x, y, loss_fn, **config):
     """``model`` exported as a client would and compiled in this process (no cluster): the
     controller's CompiledPipeline, for ``JobConfig(**config)``."""

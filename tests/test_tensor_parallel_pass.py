@@ -84,10 +84,40 @@ def _hf_gpt2():
     return model, batches, models.lm_loss
 
 
+def _hf_llama(family: str):
+    def make():
+        model, batches = models.hf_llama(pytest.importorskip("transformers"), family)
+        return model, batches, models.lm_loss
+
+    return make
+
+
 @pytest.mark.parametrize(
     "make, ranks, sequence",
-    [(_gpt, 2, False), (_gpt, 4, False), (_gpt, 2, True), (_gpt, 4, True), (_hf_gpt2, 2, False), (_hf_gpt2, 2, True)],
-    ids=["gpt-tp2", "gpt-tp4", "gpt-tp2-sp", "gpt-tp4-sp", "hf-gpt2-tp2", "hf-gpt2-tp2-sp"],
+    [
+        (_gpt, 2, False),
+        (_gpt, 4, False),
+        (_gpt, 2, True),
+        (_gpt, 4, True),
+        (_hf_gpt2, 2, False),
+        (_hf_gpt2, 2, True),
+        (_hf_llama("llama"), 2, False),
+        (_hf_llama("llama-bias"), 2, False),
+        (_hf_llama("mistral"), 2, False),
+        (models.fused_gate_up, 2, False),
+    ],  # fmt: skip
+    ids=[
+        "gpt-tp2",
+        "gpt-tp4",
+        "gpt-tp2-sp",
+        "gpt-tp4-sp",
+        "hf-gpt2-tp2",
+        "hf-gpt2-tp2-sp",
+        "hf-llama-tp2",
+        "hf-llama-bias-tp2",
+        "hf-mistral-tp2",
+        "fused-gate-up-tp2",
+    ],  # fmt: skip
 )
 def test_sharded_programs_match_the_whole_model(make, ranks, sequence):
     model, batches, loss_fn = make()
@@ -95,6 +125,9 @@ def test_sharded_programs_match_the_whole_model(make, ranks, sequence):
     exported = export_pipeline(model, x, y, loss_fn, 1)
     program = split_model(exported.model, exported.input, 1, [], exported.aliases).stages[0].program
     stage, losses = shard_stage(program, 0, ranks, {}, [x], True, exported.loss, exported.target, sequence)
+    if make is models.fused_gate_up:  # gate and up, each cut by features
+        assert stage.params["gate_up_proj.weight"] == ParamShard(0, (64, 64))
+        assert stage.modules["down_proj"] == "rowwise"
     if make is _gpt:
         assert stage.params["1.qkv.weight"] == ParamShard(0, (32, 32, 32))
         assert stage.params["1.proj.weight"] == ParamShard(1, (32,))
@@ -143,3 +176,44 @@ def test_an_island_whose_ranks_disagree_on_collectives_is_refused():
     orders[1] = island_order([f0, b0], {0: other}, 0)
     with pytest.raises(ScheduleError, match=r"island rank 1 would deadlock at collective #0: it runs 0F0"):
         check_islands(orders, "pipeline rank 0")
+
+
+class _CumulativeFeatures(torch.nn.Module):
+    """A linear whose features go through an op tensor parallelism does not follow (cumsum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.head = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.down(torch.cumsum(self.up(x), dim=-1)))
+
+
+def test_a_linear_left_whole_is_named_with_the_undivided_share_and_strict_refuses_it():
+    torch.manual_seed(0)
+    model, x, y = _CumulativeFeatures(), torch.randn(8, 16), torch.randn(8, 4)
+    loss = torch.nn.functional.mse_loss
+    report = models.compile_locally(model, x, y, loss, stages=1, microbatches=2, tensor_parallel=2).report({})
+    (stage,) = report["stages"]
+    tp = stage["tensor_parallel"]
+    assert tp["whole_linear_layers"] == {"up": "cumsum.default is not known to tensor parallelism"}
+    assert tp["modules"]["down"] == "colwise" and tp["modules"]["head"] == "rowwise"
+    params = {n: p.numel() for n, p in model.named_parameters()}
+    cut = sum(params[n] for n in ("down.weight", "down.bias", "head.weight"))
+    assert tp["sharded_fraction"]["parameters"] == round(cut / sum(params.values()), 4)
+    flops = {"up": 2 * 4 * 16 * 64, "down": 2 * 4 * 64 * 16, "head": 2 * 4 * 16 * 4}  # per microbatch of 4 rows
+    assert tp["sharded_fraction"]["forward_flops"] == round((flops["down"] + flops["head"]) / sum(flops.values()), 4)
+    (warning,) = report["warnings"]
+    assert "1 linear layer(s) of stage 0 whole on every rank (up: cumsum.default" in warning
+    assert f"{1 - tp['sharded_fraction']['parameters']:.0%} of the stage's parameters" in warning
+    with pytest.raises(InvalidInput, match="up: cumsum.default .*tensor_parallel_strict refuses this"):
+        models.compile_locally(
+            model, x, y, loss, stages=1, microbatches=2, tensor_parallel=2, tensor_parallel_strict=True
+        )
+    # a layer the plan keeps whole on purpose is no warning, strict or not
+    kept = {"up": "replicate"}
+    plain = models.compile_locally(
+        model, x, y, loss, stages=1, microbatches=2, tensor_parallel=2, tensor_parallel_plan=kept,
+        tensor_parallel_strict=True,
+    )  # fmt: skip
+    assert plain.report({})["warnings"] == []

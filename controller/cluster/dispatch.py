@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
+import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
@@ -144,11 +146,31 @@ class Dispatcher:
     def __init__(self, token: str, fanout: int = RELAY_FANOUT, controller_key: str = ""):
         self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key)
         self.fanout = fanout
+        self._loading: collections.Counter[str] = collections.Counter()
+        """Per worker id, its LoadPlan calls in flight (counted from two threads: under the lock)."""
+        self._loading_lock = threading.Lock()
+
+    def loading(self, worker: WorkerRecord) -> bool:
+        """Whether a plan is on its way to ``worker`` or being loaded there: a large one keeps the
+        worker (deserializing it) and the controller (sending it) too busy for heartbeats, so its
+        silence then is no death; the load's own deadline bounds it (Registry.sweep)."""
+        return self._loading[worker.worker_id] > 0
 
     def submit(self, calls: list[Call], timeout_s: float) -> Pending:
         """Send every call now; returns at once."""
         futures = [self._calls.call(c.worker.address, c.method, r, timeout_s) for c, r in zip(calls, _requests(calls))]
+        for call, future in zip(calls, futures):
+            if call.method == "LoadPlan":
+                with self._loading_lock:
+                    self._loading[call.worker.worker_id] += 1
+                future.add_done_callback(functools.partial(self._loaded, call.worker))
         return Pending(calls, futures)
+
+    def _loaded(self, worker: WorkerRecord, future: Future) -> None:
+        with self._loading_lock:
+            self._loading[worker.worker_id] -= 1
+        if not future.cancelled() and future.exception() is None:  # its answer: alive as of now
+            worker.last_heartbeat = time.monotonic()
 
     def relay(self, calls: list[Call], common: pb.RunStepRequest, timeout_s: float) -> Pending:
         """Send a step (``RunStep`` calls in rank order, whose requests are ``common`` or their

@@ -62,6 +62,8 @@ class Registry:
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self._rpc_timeout_s = rpc_timeout_s
         self._on_death = on_death
+        self.busy: Callable[[WorkerRecord], bool] = lambda record: False
+        """A worker busy this way is not declared dead for its silence (Dispatcher.loading)."""
         self._workers: dict[str, WorkerRecord] = {}
         self._reserved: set[str] = set()
         """Ids of workers a state directory recorded: never given to another worker."""
@@ -189,7 +191,7 @@ class Registry:
         now = time.monotonic()
         for record in self._alive():
             silent = now - record.last_heartbeat
-            if silent > self.heartbeat_timeout_s:
+            if silent > self.heartbeat_timeout_s and not self.busy(record):
                 why = "did not register again after the controller restarted" if record.returning else "no heartbeat"
                 self.mark_dead(record, f"{why} for {silent:.1f}s")
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from atoll.controller.compiler import memory as memory_plan
 from atoll.controller.compiler.lowering import Lowered
 from atoll.controller.compiler.parallel.tensor import ShardedStage
+from atoll.controller.compiler.parallel.tensor.inventory import whole_warning
 from atoll.controller.compiler.passes import PASSES, CompileState, analysis_device, microbatch_spec
 from atoll.controller.compiler.program import StageInfo
 from atoll.controller.compiler.report import EdgeReport, LayoutReport, PlanReport, StageReport
@@ -172,6 +173,8 @@ def build_report(c: CompiledPipeline, placement: dict[int, str]) -> PlanReport:
                 else {
                     "modules": s.sharding.modules,
                     "sharded_parameters": {n: p.to_json() for n, p in s.sharding.params.items()},
+                    "sharded_fraction": s.sharding.coverage,
+                    "whole_linear_layers": s.sharding.whole,
                     "collectives_per_microbatch": s.sharding.collectives,
                 },
             )
@@ -197,4 +200,5 @@ def build_report(c: CompiledPipeline, placement: dict[int, str]) -> PlanReport:
             str(r): {**m.peak.as_dict(), "peak_stashed_microbatches": m.peak_stashed_microbatches}
             for r, m in c.memory.items()
         },
+        warnings=[w for s in c.stages if s.sharding is not None and (w := whole_warning(s.index, s.sharding))],
     )

@@ -65,6 +65,8 @@ class PlanReport:
     predicted_bubble_fraction: float
     predicted_communication: dict[str, dict[str, int]] = field(default_factory=dict)
     predicted_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    """What the user should know before training on this plan (the client warns with each)."""
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

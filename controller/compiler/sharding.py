@@ -5,6 +5,7 @@ sharded, and each tied parameter cut alike by every stage holding it."""
 from __future__ import annotations
 
 from atoll.controller.compiler.parallel.tensor import shard_stage
+from atoll.controller.compiler.parallel.tensor.inventory import whole_warning
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, TiedParameter
 from atoll.core.wire import EdgeSpec, TensorSpec
@@ -30,6 +31,9 @@ def shard_stages(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, los
             cfg.sequence_parallel,
         )
         shardings.append(sharded)
+        warning = whole_warning(st.index, sharded)
+        if warning and cfg.tensor_parallel_strict:
+            raise InvalidInput(f"{warning} (tensor_parallel_strict refuses this)")
         if losses is not None:
             loss_programs = losses
     tied = []

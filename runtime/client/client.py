@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -59,6 +60,7 @@ class Client(Connection):
         zero: int = 0,
         tensor_parallel: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
+        tensor_parallel_strict: bool = False,
         sequence_parallel: bool = False,
         resume_from: str | os.PathLike = "",
         detached: bool = False,
@@ -105,7 +107,10 @@ class Client(Connection):
         embeddings by vocabulary and pairs a vocabulary-sharded LM head with a vocabulary-parallel
         cross-entropy; the rest stays whole on every rank, and the plan lists what was cut how.
         ``tensor_parallel_plan`` maps module names to "colwise", "rowwise", "vocab_embedding" (what
-        the compiler must find) or "replicate" (keep whole). The layout takes
+        the compiler must find) or "replicate" (keep whole). A linear layer left whole otherwise
+        is named in the plan with why, and the submission warns with the share of the stage's
+        parameters and FLOPs that stays undivided; ``tensor_parallel_strict=True`` refuses the job
+        instead. The layout takes
         ``stages * tensor_parallel * data_parallel`` workers; ``Job.state_dict()`` returns whole tensors.
         ``sequence_parallel=True`` (Korthikanti et al.) also runs the code between those layers
         (residual adds, LayerNorm, dropout) on 1/T of the sequence per worker.
@@ -185,7 +190,10 @@ class Client(Connection):
         )
         self._keep_alive()
         reply = self._call("SubmitPipeline", request, timeout_s=600.0)
-        return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
+        plan = Plan(json.loads(reply.plan_json))
+        for warning in plan.report.get("warnings", ()):  # e.g. layers tensor parallelism left whole
+            warnings.warn(warning, stacklevel=3)
+        return Job(self, reply.job_id, plan)
 
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.controller.compiler.parallel.tensor.propagate import Decisions
+from atoll.controller.compiler.parallel.graph_ops import ADDMM, LINEAR, tensor_value
+from atoll.controller.compiler.parallel.tensor.propagate import SDPA, Decisions, Shard
 from atoll.controller.compiler.split import module_path
 from atoll.core.graphs import deserialize
 from atoll.core.shards import ParamShard
@@ -41,6 +42,11 @@ class ShardedStage:
     """Module -> its role: colwise, rowwise, vocab_embedding, vocab_head, or why it stays replicated."""
     output_dims: dict[int, int]
     """Stage output position -> the dimension it is sharded along (the last stage's logits)."""
+    coverage: dict[str, float]
+    """The share of the stage's parameters ("parameters") and of its matrix products' forward FLOPs
+    ("forward_flops": linear layers and attention) divided over the island."""
+    whole: dict[str, str]
+    """The linear layers left whole on every rank, each with why (the plan's "replicate" included)."""
     rank_collectives: tuple[dict[str, list[dict]], ...]
     """Per island rank, read off its own program: "forward", "backward" (and "loss_forward" on the
     last stage), each island all-reduce one microbatch runs, in order, with its shape and bytes.
@@ -88,6 +94,63 @@ def module_roles(d: Decisions) -> dict[str, str]:
     roles.update({module_path(n) or n.name: "rowwise" for n in d.row})
     roles.update({module_path(n) or n.name: "vocab_embedding" for n in d.embedding})
     return roles
+
+
+def _forward_flops(node) -> int:
+    """A matrix product's forward FLOPs (2 per multiply-add): a linear layer's or attention's; 0 else."""
+    out = tensor_value(node)
+    if out is None:
+        return 0
+    if node.target is LINEAR:
+        return 2 * out.numel() * tensor_value(node.args[0]).shape[-1]
+    if node.target is ADDMM:
+        return 2 * out.numel() * tensor_value(node.args[1]).shape[-1]
+    if node.target is SDPA:  # q k^T, then its weights times v
+        q, k = tensor_value(node.args[0]), tensor_value(node.args[1])
+        return 4 * q.numel() * k.shape[-2]
+    return 0
+
+
+def coverage(gm, d: Decisions) -> dict[str, float]:
+    """ShardedStage.coverage."""
+    params = dict(gm.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    cut = sum(params[name].numel() for name in d.params if name in params)
+    flops = divided = 0
+    for node in gm.graph.nodes:
+        f = _forward_flops(node)
+        flops += f
+        if node in d.column or node in d.row or (node.target is SDPA and isinstance(d.place.get(node), Shard)):
+            divided += f
+    return {
+        "parameters": round(cut / total, 4) if total else 0.0,
+        "forward_flops": round(divided / flops, 4) if flops else 0.0,
+    }
+
+
+def whole_linears(gm, d: Decisions) -> dict[str, str]:
+    """ShardedStage.whole: every linear layer neither column- nor row-parallel, with its reason."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.target in (LINEAR, ADDMM) and node not in d.column and node not in d.row:
+            name = module_path(node) or node.name
+            out[name] = d.replicated.get(name) or "its input or weight is not one the pass can cut"
+    return out
+
+
+def whole_warning(index: int, stage: ShardedStage) -> str | None:
+    """What a stage leaves undivided, for the user: None when every linear layer is cut (or is
+    whole because the plan says "replicate")."""
+    whole = {m: why for m, why in stage.whole.items() if why != "stated by the plan"}
+    if not whole:
+        return None
+    share = stage.coverage
+    return (
+        f"tensor parallelism leaves {len(whole)} linear layer(s) of stage {index} whole on every rank "
+        f"({'; '.join(f'{m}: {why}' for m, why in whole.items())}): "
+        f"{1 - share['parameters']:.0%} of the stage's parameters and {1 - share['forward_flops']:.0%} of its "
+        f"matrix products' forward FLOPs are not divided"
+    )
 
 
 def program_collectives(data: bytes) -> dict[str, list[dict]]:

@@ -25,9 +25,14 @@ from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
 EMBEDDING = aten.embedding.default
-SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+CHUNK = aten.chunk.default
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, CHUNK}
 CROSS_ENTROPY = aten.cross_entropy_loss.default
 SDPA = aten.scaled_dot_product_attention.default
+SLICE = aten.slice.Tensor
+UNSQUEEZE = aten.unsqueeze.default
+EXPAND = aten.expand.default
+CAT = aten.cat.default
 
 
 class Conflict(Exception):
@@ -238,6 +243,8 @@ class Pass:
         if isinstance(s, list):
             raise Conflict(frozenset().union(*(x.origins for x in s)), f"{t} takes a list of shards")
         origins = frozenset().union(*(x.origins for x in sharded))
+        if t is CAT:
+            return self.cat(n, origins)
         x = n.args[0]
         sx = self.placed(x)
         if t in VIEWS and sx is not None:
@@ -256,6 +263,13 @@ class Pass:
             return Shard([p % _val(x).dim() for p in n.args[1]].index(sx.dim), sx.origins)
         if t in SPLITS and sx is not None:
             return self.split(n, sx)
+        if t is SLICE and sx is not None:
+            return self.slice(n, sx)
+        if t is UNSQUEEZE and sx is not None:
+            at = n.args[1] % _val(n).dim()  # the new dimension's place in the output
+            return Shard(sx.dim + (at <= sx.dim), sx.origins)
+        if t is EXPAND and sx is not None:
+            return self.expand(n, sx)
         if t is SDPA:
             return self.attention(n, origins)
         if t in SAME_SHAPE or torch.Tag.pointwise in getattr(t, "tags", ()):
@@ -277,8 +291,40 @@ class Pass:
         if self.d.params[weight][0].blocks != (sum(sizes),):
             raise Conflict(sx.origins, "a second split of the same features")
         self.claim_blocks(origin, weight, bias, out_dim, tuple(sizes))
-        self.d.local_args[n] = (n.args[0], [size // self.ranks for size in sizes], *n.args[2:])
+        if n.target is not CHUNK:  # a chunk of this rank's features into as many pieces is already local
+            self.d.local_args[n] = (n.args[0], [size // self.ranks for size in sizes], *n.args[2:])
         return [Shard(dim, sx.origins)] * len(pieces)
+
+    def slice(self, n, sx: Shard):
+        """Rotary's halves of each head (``x[..., :d/2]``): a slice along another dimension keeps
+        the shards; along the sharded one, only a slice that keeps it whole does."""
+        x = n.args[0]
+        dim = (n.args[1] if len(n.args) > 1 else 0) % _val(x).dim()
+        if dim != sx.dim or _shape(n)[dim] == _shape(x)[dim]:
+            return Shard(sx.dim, sx.origins)
+        raise Conflict(sx.origins, f"a slice of the sharded dimension (to {_shape(n)[dim]} of {_shape(x)[dim]})")
+
+    def expand(self, n, sx: Shard):
+        """Grouped-query attention's ``repeat_kv``: key/value heads expanded along a new dimension;
+        the sizes are global, this rank's heads are 1/T of them."""
+        lead = _val(n).dim() - _val(n.args[0]).dim()
+        dim = sx.dim + lead
+        sizes = list(n.args[1])
+        if sizes[dim] != -1:
+            sizes[dim] //= self.ranks
+        self.d.local_args[n] = (n.args[0], sizes, *n.args[2:])
+        return Shard(dim, sx.origins)
+
+    def cat(self, n, origins):
+        """Rotary's ``cat((-x2, x1), dim=-1)``: pieces sharded alike, joined along another dimension."""
+        pieces = n.args[0]
+        rank = _val(n).dim()
+        dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % rank
+        placed = [self.placed(p) for p in pieces]
+        dims = {p.dim for p in placed if isinstance(p, Shard)}
+        if len(dims) != 1 or None in placed or not all(isinstance(p, Shard) for p in placed) or dims == {dim}:
+            raise Conflict(origins, "a concatenation of pieces not all sharded alike, or along the sharded dimension")
+        return Shard(dims.pop(), origins)
 
     def claim_blocks(self, origin, weight, bias, out_dim, sizes) -> None:
         self.d.params[weight] = (ParamShard(out_dim, sizes), self.d.params[weight][1])
@@ -288,7 +334,8 @@ class Pass:
     def attention(self, n, origins):
         q, k, v = (self.placed(a) for a in n.args[:3])
         mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-        if not (isinstance(q, Shard) and q == k == v and q.dim == 1 and _val(n.args[0]).dim() == 4):
+        by_heads = all(isinstance(s, Shard) and s.dim == 1 for s in (q, k, v))  # from one projection or three
+        if not (by_heads and _val(n.args[0]).dim() == 4):
             raise Conflict(origins, "attention whose q, k and v are not sharded alike by heads")
         if mask is not None and (self.placed(mask) is not None or _val(mask).dim() == 4 and _val(mask).shape[1] != 1):
             raise Conflict(origins, "an attention mask per head")

@@ -9,8 +9,10 @@ from atoll.controller.compiler.parallel.tensor.inventory import (
     ShardedStage,
     check_decisions,
     check_roles,
+    coverage,
     module_roles,
     rank_collectives,
+    whole_linears,
 )
 from atoll.controller.compiler.parallel.tensor.loss import decide_with_loss, export_loss
 from atoll.controller.compiler.parallel.tensor.propagate import Shard, load_graph
@@ -54,6 +56,8 @@ def shard_stage(
         params={name: shard for name, (shard, _) in d.params.items()},
         modules=module_roles(d),
         output_dims=dict(d.output_dims),
+        coverage=coverage(gm, d),
+        whole=whole_linears(gm, d),
         rank_collectives=rank_collectives(programs, loss_out),
     )
     return stage, tuple(loss_out) if loss_out else None

@@ -1,0 +1,94 @@
+"""Tensor parallelism on Llama-family models (issue 26): grouped-query attention with rotary
+positions is sharded by heads like the MLP, every projection cut, against one process in float64
+under AdamW (weights and losses within 1e-5 relative, tests/reference.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from tests import models
+from tests.reference import assert_matches_reference, train_reference
+
+transformers = pytest.importorskip("transformers")
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+FAMILIES = ["llama", "llama-bias", "mistral"]
+PROJECTIONS = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "colwise"),
+    **dict.fromkeys(("o_proj", "down_proj"), "rowwise"),
+}
+
+
+def _roles(plan_report) -> dict[str, str]:
+    return {m: role for s in plan_report["stages"] for m, role in s["tensor_parallel"]["modules"].items()}
+
+
+def _assert_every_projection_sharded(roles: dict[str, str], layers: int = 2) -> None:
+    for layer in range(layers):
+        for name, role in PROJECTIONS.items():
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            assert roles[f"lm.model.layers.{layer}.{part}.{name}"] == role, (layer, name, roles)
+    assert roles["lm.model.embed_tokens"] == "vocab_embedding" and roles["lm.lm_head"] == "vocab_head"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_plan_shards_every_projection_of_a_llama_family_model(family):
+    """Compiled in this process: rotary's slices and concatenation, repeat_kv's expand and the
+    grouped-query attention are followed, so no projection is left whole."""
+    model, batches = models.hf_llama(transformers, family)
+    x, y = batches[0]
+    compiled = models.compile_locally(model, x, y, models.lm_loss, stages=1, microbatches=2, tensor_parallel=2)
+    roles = _roles(compiled.report({}))
+    _assert_every_projection_sharded(roles)
+    cut = {n: p for s in compiled.report({})["stages"] for n, p in s["tensor_parallel"]["sharded_parameters"].items()}
+    assert cut["lm.model.layers.0.self_attn.k_proj.weight"]["dim"] == 0  # 2 key/value heads: one per rank
+    if family == "llama-bias":
+        assert cut["lm.model.layers.0.self_attn.q_proj.bias"]["dim"] == 0
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, family):
+    model, batches = models.hf_llama(transformers, family)
+    model = model.double()
+    x, y = batches[0]
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=1, microbatches=2,
+        tensor_parallel=2, optimizer="adamw", optimizer_args=ADAMW,
+    )  # fmt: skip
+    try:
+        results = [job.step_async(*b).details() for b in batches]
+        state = job.state_dict()
+        output = job.forward(x)
+    finally:
+        job.close()
+    _assert_every_projection_sharded(_roles(job.plan.report))
+    ref_losses, ref_state = train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)
+    assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
+    for w in range(2):  # the plan's collectives and peak memory, as the workers measured them
+        assert results[-1].memory[w]["data_plane_bytes"] == job.plan.predicted_communication[0]
+        measured, expected = results[-1].memory[w]["peak"]["total"], job.plan.predicted_memory[0]["total"]
+        assert abs(measured - expected) <= 0.1 * expected, (w, measured, expected)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.allclose(output, reference(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.cluster
+def test_tensor_parallel_llama_losses_match_one_process_in_float32(client4):
+    """In float32 the losses agree at 1e-5 too; weights are compared in float64 only (AdamW divides
+    near-zero gradients' rounding noise by their own size: two single-process runs differ there)."""
+    model, batches = models.hf_llama(transformers)
+    x, y = batches[0]
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=1, microbatches=2,
+        tensor_parallel=2, optimizer="adamw", optimizer_args=ADAMW,
+    )  # fmt: skip
+    try:
+        losses = [job.step(*b) for b in batches]
+    finally:
+        job.close()
+    ref_losses, _ = train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
