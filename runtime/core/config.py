@@ -66,9 +66,6 @@ class JobConfig:
     tensor_parallel_plan: dict = field(default_factory=dict)
     """Module name -> "colwise", "rowwise", "vocab_embedding" (what the compiler must find it to be)
     or "replicate" (keep it whole); modules not named are sharded as the compiler finds them."""
-    tensor_parallel_strict: bool = False
-    """Refuse the job when a linear layer would stay whole on every rank of an island (one the
-    plan does not name "replicate"); by default it stays whole and the plan warns."""
     sequence_parallel: bool = False
     """With tensor parallelism: the token-wise code between its layers (residual adds, LayerNorm,
     dropout) runs on 1/tensor_parallel of the sequence (controller/compiler/parallel/sequence.py)."""
@@ -86,6 +83,9 @@ class JobConfig:
     """Training steps between the checkpoints of an ``auto_resume`` job."""
     checkpoint_path: str = ""
     """Where an ``auto_resume`` job keeps its checkpoint (storage the workers and the controller share)."""
+    tensor_parallel_strict: bool = False
+    """Refuse the job when a linear layer would stay whole on every rank of an island (one the
+    plan does not name "replicate"); by default it stays whole and the plan warns."""
 
     def to_pb(self) -> pb.JobConfig:
         return _fill(pb.JobConfig(), self)
