@@ -21,6 +21,10 @@ gradient bytes put into the replicas' all-reduces, and bytes put into the tensor
 all-reduces; for DDP the gradient bytes it all-reduces (every parameter, once a step) are given
 the same way.
 
+With ``--llama`` (transformers installed), a Hugging Face Llama of the same width and depth (4
+heads over 2 key/value heads, rotary, SwiGLU) follows under TP2, TP2 with sequence parallelism
+and, on 8 workers, PP2xTP2xDP2 with ZeRO-1: the layouts of the Llama tensor-parallel issue.
+
 The machine this was written on has 2 cores for 8 workers: the figures compare layouts and
 runtimes under that contention, not the layouts' speed on real hardware. atoll and its peer are
 measured in alternating rounds while both stay up; nothing here asserts on time.
@@ -46,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline import TorchSide, make_setup, median  # noqa: E402
 
 import atoll  # noqa: E402
-from examples.gpt import lm_loss  # noqa: E402
+from examples.gpt import CharCorpus, lm_loss  # noqa: E402
 
 WORKERS = 8
 MICROBATCHES = 8
@@ -110,9 +114,42 @@ def blocks(args) -> int:
     return args.layers + 2
 
 
-def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int, sequence: int):
-    x, y = batches[0]
+class _LlamaLogits(torch.nn.Module):
+    """A Hugging Face causal LM returning its logits alone."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def make_llama(args, vocab: int) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.block_size, use_cache=False,
+    )  # fmt: skip
+    return _LlamaLogits(transformers.LlamaForCausalLM(config))
+
+
+def gpt_split_points(args, pipeline: int) -> list:
     per = blocks(args) // pipeline
+    return list(range(per, blocks(args), per))  # whole blocks, as torch's
+
+
+def llama_split_points(args, pipeline: int) -> list:
+    per = args.layers // pipeline
+    return [f"lm.model.layers.{i}" for i in range(per, args.layers, per)]
+
+
+def measure_atoll(
+    client, model, batches, args, pipeline: int, tensor: int, data: int, zero: int, sequence: int, split_points
+):
+    x, y = batches[0]
     job = client.pipeline(
         model,
         example_input=x,
@@ -120,7 +157,7 @@ def measure_atoll(client, model, batches, args, pipeline: int, tensor: int, data
         loss_fn=lm_loss,
         stages=pipeline,
         microbatches=MICROBATCHES // data,
-        split_points=list(range(per, blocks(args), per)),  # whole blocks, as torch's
+        split_points=split_points(args, pipeline),
         schedule="1f1b",
         optimizer="sgd",
         optimizer_args={"lr": 0.01},
@@ -159,6 +196,7 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", metavar="PxTxD", help="only these layouts, e.g. 1x1x8 8x1x1 (pp x tp x dp)"
     )
+    parser.add_argument("--llama", action="store_true", help="then Llama under TP2, TP2+SP and PP2xTP2xDP2 ZeRO-1")
     args = parser.parse_args()
     # the other settings bench/pipeline.py's helpers read
     args.heads, args.block_size, args.dtype = 4, 64, "float32"
@@ -169,13 +207,18 @@ def main() -> None:
     model, batches = make_setup(args)
     tokens = args.batch * args.block_size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
+    runs = [("gpt", model, gpt_split_points, layout) for layout in layouts]
+    if args.llama:
+        llama = make_llama(args, -(-CharCorpus().vocab_size // 8) * 8)  # a vocabulary the islands divide
+        llama_layouts = [(1, 2, 1, 0, 0), (1, 2, 1, 0, 1), (2, 2, 2, 1, 0)]
+        runs += [("llama", llama, llama_split_points, x) for x in llama_layouts if x[0] * x[1] * x[2] <= args.workers]
     rows = []
     with atoll.LocalCluster(workers=args.workers, threads_per_worker=1) as cluster, cluster.client() as client:
-        for pipeline, tensor, data, zero, sequence in layouts:
-            job, run = measure_atoll(client, model, batches, args, pipeline, tensor, data, zero, sequence)
+        for name, net, split_points, (pipeline, tensor, data, zero, sequence) in runs:
+            job, run = measure_atoll(client, net, batches, args, pipeline, tensor, data, zero, sequence, split_points)
             workers = pipeline * tensor * data
             peer, peer_name = None, None
-            if workers < args.workers or tensor > 1:  # torch has no peer of the same layout here
+            if workers < args.workers or tensor > 1 or name != "gpt":  # torch has no peer of the same layout here
                 pass
             elif data == 1:
                 per = blocks(args) // pipeline
@@ -190,6 +233,7 @@ def main() -> None:
                     theirs.append(peer.run(args.steps)[0])
             moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
             row = {
+                "model": name,
                 "layout": f"pp{pipeline} x tp{tensor} x dp{data}"
                 + (" zero1" if zero else "")
                 + (" sp" if sequence else ""),

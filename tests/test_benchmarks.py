@@ -53,16 +53,22 @@ def _run_bench(script: str, *args: str) -> dict:
 
 
 def test_layouts_benchmark_runs_at_its_smallest_size():
-    """Two workers: a 2-stage pipeline next to torch.distributed.pipelining, 2 replicas next to DDP."""
-    report = _run_bench(
-        "layouts.py", "--workers", "2", "--layers", "2", "--d-model", "16", "--steps", "1", "--rounds", "1"
-    )
-    assert [(r["layout"], r["peer"]) for r in report["rows"]] == [
+    """Two workers: a 2-stage pipeline next to torch.distributed.pipelining, 2 replicas next to DDP;
+    then Llama (where transformers is installed) under TP2 and TP2 with sequence parallelism."""
+    args = ["--workers", "2", "--layers", "2", "--d-model", "16", "--steps", "1", "--rounds", "1", "--llama"]
+    report = _run_bench("layouts.py", *args)
+    gpt = [r for r in report["rows"] if r["model"] == "gpt"]
+    assert [(r["layout"], r["peer"]) for r in gpt] == [
         ("pp2 x tp1 x dp1", "torch.distributed.pipelining 1F1B"),
         ("pp1 x tp1 x dp2", "DDP"),
     ]
-    for row in report["rows"]:
+    for row in gpt:
         assert row["atoll_tokens_per_s"] > 0 and row["peer_tokens_per_s"] > 0
+    llama = [r for r in report["rows"] if r["model"] == "llama"]
+    assert [r["layout"] for r in llama] == ["pp1 x tp2 x dp1", "pp1 x tp2 x dp1 sp"]
+    for row in llama:
+        assert row["atoll_tokens_per_s"] > 0 and row["bytes_per_step"]["island_all_reduced_total"] > 0
+    for row in report["rows"]:
         assert row["bytes_per_step"]["equals_prediction"]
 
 

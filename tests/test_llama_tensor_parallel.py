@@ -48,15 +48,22 @@ def test_the_plan_shards_every_projection_of_a_llama_family_model(family):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, family):
+@pytest.mark.parametrize(
+    "family, sequence", [(f, False) for f in FAMILIES] + [("llama", True), ("mistral", True)],
+    ids=[*FAMILIES, "llama-sp", "mistral-sp"],
+)  # fmt: skip
+def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, family, sequence):
+    """TP=2, and TP=2 with sequence parallelism (RMSNorm and the residual adds on each rank's slice
+    of the sequence; the sequence gathered whole before the projections, so rotary positions apply
+    to the whole sequence there)."""
     model, batches = models.hf_llama(transformers, family)
     model = model.double()
     x, y = batches[0]
     job = client4.pipeline(
         model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=1, microbatches=2,
-        tensor_parallel=2, optimizer="adamw", optimizer_args=ADAMW,
+        tensor_parallel=2, sequence_parallel=sequence, optimizer="adamw", optimizer_args=ADAMW,
     )  # fmt: skip
+    assert job.plan.report["layout"]["sequence_parallel"] == sequence
     try:
         results = [job.step_async(*b).details() for b in batches]
         state = job.state_dict()

@@ -104,6 +104,7 @@ def _hf_llama(family: str):
         (_hf_llama("llama"), 2, False),
         (_hf_llama("llama-bias"), 2, False),
         (_hf_llama("mistral"), 2, False),
+        (_hf_llama("llama"), 2, True),
         (models.fused_gate_up, 2, False),
     ],  # fmt: skip
     ids=[
@@ -116,6 +117,7 @@ def _hf_llama(family: str):
         "hf-llama-tp2",
         "hf-llama-bias-tp2",
         "hf-mistral-tp2",
+        "hf-llama-tp2-sp",
         "fused-gate-up-tp2",
     ],  # fmt: skip
 )
