@@ -73,7 +73,12 @@ def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, fa
     _assert_every_projection_sharded(_roles(job.plan.report))
     ref_losses, ref_state = train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
+    cut = {n: p for s in job.plan.report["stages"] for n, p in s["tensor_parallel"]["sharded_parameters"].items()}
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cut_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n in cut)
     for w in range(2):  # the plan's collectives and peak memory, as the workers measured them
+        held = results[-1].memory[w]["peak"]["parameters"]  # the cut layers' 1/T, the rest whole
+        assert held == whole_bytes - cut_bytes + cut_bytes // 2, (w, held, whole_bytes, cut_bytes)
         assert results[-1].memory[w]["data_plane_bytes"] == job.plan.predicted_communication[0]
         measured, expected = results[-1].memory[w]["peak"]["total"], job.plan.predicted_memory[0]["total"]
         assert abs(measured - expected) <= 0.1 * expected, (w, measured, expected)
