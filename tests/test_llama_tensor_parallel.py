@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import models
-from tests.reference import assert_matches_reference, train_reference
+from tests.reference import assert_losses_match, assert_matches_reference, train_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,30 +47,30 @@ def test_the_plan_shards_every_projection_of_a_llama_family_model(family):
         assert cut["lm.model.layers.0.self_attn.q_proj.bias"]["dim"] == 0
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize(
-    "family, sequence", [(f, False) for f in FAMILIES] + [("llama", True), ("mistral", True)],
-    ids=[*FAMILIES, "llama-sp", "mistral-sp"],
-)  # fmt: skip
-def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, family, sequence):
-    """TP=2, and TP=2 with sequence parallelism (RMSNorm and the residual adds on each rank's slice
-    of the sequence; the sequence gathered whole before the projections, so rotary positions apply
-    to the whole sequence there)."""
-    model, batches = models.hf_llama(transformers, family)
-    model = model.double()
+def _train(client, model, batches, **layout):
     x, y = batches[0]
-    job = client4.pipeline(
-        model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=1, microbatches=2,
-        tensor_parallel=2, sequence_parallel=sequence, optimizer="adamw", optimizer_args=ADAMW,
+    job = client.pipeline(
+        model, example_input=x, example_target=y, loss_fn=models.lm_loss, microbatches=2, optimizer="adamw",
+        optimizer_args=ADAMW, **layout,
     )  # fmt: skip
-    assert job.plan.report["layout"]["sequence_parallel"] == sequence
     try:
         results = [job.step_async(*b).details() for b in batches]
         state = job.state_dict()
         output = job.forward(x)
     finally:
         job.close()
-    _assert_every_projection_sharded(_roles(job.plan.report))
+    return job, results, state, output
+
+
+def _check_in_float32_and_float64(client, model, batches, **layout):
+    """The float32 run's losses, then a float64 run's losses, weights, outputs, bytes and memory
+    against one process (tests/reference.py, "AdamW parity"); returns the float64 run's job."""
+    job, results, _, _ = _train(client, model, batches, **layout)
+    assert_losses_match(
+        [r.loss for r in results], train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)[0]
+    )
+    model = copy.deepcopy(model).double()
+    job, results, state, output = _train(client, model, batches, **layout)
     ref_losses, ref_state = train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
     cut = {n: p for s in job.plan.report["stages"] for n, p in s["tensor_parallel"]["sharded_parameters"].items()}
@@ -85,22 +85,31 @@ def test_tensor_parallel_llama_family_matches_one_process_in_float64(client4, fa
     reference = copy.deepcopy(model)
     reference.load_state_dict(state)
     with torch.no_grad():
-        assert torch.allclose(output, reference(x), rtol=1e-9, atol=1e-9)
+        assert torch.allclose(output, reference(batches[0][0]), rtol=1e-9, atol=1e-9)
+    return job
 
 
 @pytest.mark.cluster
-def test_tensor_parallel_llama_losses_match_one_process_in_float32(client4):
-    """In float32 the losses agree at 1e-5 too; weights are compared in float64 only (AdamW divides
-    near-zero gradients' rounding noise by their own size: two single-process runs differ there)."""
-    model, batches = models.hf_llama(transformers)
-    x, y = batches[0]
-    job = client4.pipeline(
-        model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=1, microbatches=2,
-        tensor_parallel=2, optimizer="adamw", optimizer_args=ADAMW,
-    )  # fmt: skip
-    try:
-        losses = [job.step(*b) for b in batches]
-    finally:
-        job.close()
-    ref_losses, _ = train_reference(model, batches, models.lm_loss, 2, "adamw", ADAMW)
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+@pytest.mark.parametrize(
+    "family, sequence", [(f, False) for f in FAMILIES] + [("llama", True), ("mistral", True)],
+    ids=[*FAMILIES, "llama-sp", "mistral-sp"],
+)  # fmt: skip
+def test_tensor_parallel_llama_family_matches_one_process(client4, family, sequence):
+    """TP=2, and TP=2 with sequence parallelism (RMSNorm and the residual adds on each rank's slice
+    of the sequence; the sequence gathered whole before the projections, so rotary positions apply
+    to the whole sequence there)."""
+    model, batches = models.hf_llama(transformers, family)
+    job = _check_in_float32_and_float64(
+        client4, model, batches, stages=1, tensor_parallel=2, sequence_parallel=sequence
+    )
+    assert job.plan.report["layout"]["sequence_parallel"] == sequence
+    _assert_every_projection_sharded(_roles(job.plan.report))
+
+
+@pytest.mark.cluster
+def test_a_fused_gate_up_projection_is_cut_per_block_and_matches_one_process(client4):
+    model, batches, _ = models.fused_gate_up()
+    job = _check_in_float32_and_float64(client4, model, batches, stages=1, tensor_parallel=2)
+    cut = job.plan.report["stages"][0]["tensor_parallel"]["sharded_parameters"]
+    assert cut["gate_up_proj.weight"] == {"dim": 0, "blocks": [64, 64]}  # gate and up, each by features
+    assert job.plan.report["stages"][0]["tensor_parallel"]["modules"]["down_proj"] == "rowwise"
