@@ -201,6 +201,26 @@ def hf_llama(transformers, family: str = "llama", batch: int = 8):
     return LogitsOnly(lm), [(tokens(), tokens()) for _ in range(3)]
 
 
+LLAMA_PROJECTIONS = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "colwise"),
+    **dict.fromkeys(("o_proj", "down_proj"), "rowwise"),
+}
+
+
+def tp_roles(plan_report) -> dict[str, str]:
+    """Module -> its tensor-parallel role (or why it stays whole), over every stage of a plan."""
+    return {m: role for s in plan_report["stages"] for m, role in s["tensor_parallel"]["modules"].items()}
+
+
+def assert_llama_projections_sharded(roles: dict[str, str], layers: int = 2) -> None:
+    """Every projection of ``hf_llama``'s layers cut, its embedding and head by vocabulary."""
+    for layer in range(layers):
+        for name, role in LLAMA_PROJECTIONS.items():
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            assert roles[f"lm.model.layers.{layer}.{part}.{name}"] == role, (layer, name, roles)
+    assert roles["lm.model.embed_tokens"] == "vocab_embedding" and roles["lm.lm_head"] == "vocab_head"
+
+
 def compile_locally(model: nn.Module, x, y, loss_fn, **config):
     """``model`` exported as a client would and compiled in this process (no cluster): the
     controller's CompiledPipeline, for ``JobConfig(**config)``."""

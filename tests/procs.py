@@ -63,6 +63,20 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -
     return path.read_text().strip()
 
 
+def live_workers(client, count: int, timeout_s: float = 30.0) -> dict[str, int]:
+    """id -> pid of the live workers once ``count`` are (status asked again until then); every
+    listed worker id appears once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = client.status().workers
+        live = {w.worker_id: w.pid for w in listed if w.alive}
+        if len(live) == count:
+            assert len({w.worker_id for w in listed}) == len(listed), listed
+            return live
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+
+
 def health(channel: grpc.Channel) -> int:
     """grpc_health_probe's question (grpc.health.v1 Check, no token) over ``channel``."""
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from atoll.client.local import stop_processes as stop
-from tests.procs import wait_for_file
+from tests.procs import live_workers, wait_for_file
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -218,16 +218,8 @@ def test_a_restarted_controller_knows_each_worker_once_and_a_killed_one_as_dead(
 
     def workers(address: str, alive: int) -> dict[str, int]:
         """id -> pid of the live workers, once ``alive`` are; every id listed once."""
-        deadline = time.monotonic() + 30
         with atoll.connect(address, token_file=str(token)) as client:
-            while True:
-                listed = client.status().workers
-                live = {w.worker_id: w.pid for w in listed if w.alive}
-                if len(live) == alive:
-                    assert len({w.worker_id for w in listed}) == len(listed), listed
-                    return live
-                assert time.monotonic() < deadline, listed
-                time.sleep(0.2)
+            return live_workers(client, alive)
 
     first, address = controller("first")
     port = int(address.rsplit(":", 1)[1])

@@ -15,7 +15,7 @@ import pytest
 import atoll
 from atoll.client.local import stop_processes
 from tests import models
-from tests.procs import wait_for_file
+from tests.procs import live_workers, wait_for_file
 from tests.reference import RTOL, assert_matches_reference, train_reference
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
@@ -80,19 +80,6 @@ def _float64_mlp():
     return model.double(), batches, loss_fn
 
 
-def _live_workers(client, count: int) -> dict[str, int]:
-    """id -> pid of the live workers once ``count`` are; every listed id once."""
-    deadline = time.monotonic() + 30
-    while True:
-        listed = client.status().workers
-        live = {w.worker_id: w.pid for w in listed if w.alive}
-        if len(live) == count:
-            assert len({w.worker_id for w in listed}) == len(listed), listed
-            return live
-        assert time.monotonic() < deadline, listed
-        time.sleep(0.2)
-
-
 def _kill_mid_step(daemons, job, batches, controller) -> tuple[list, float]:
     """Send four steps, SIGKILL the controller while they are in flight, start it again; returns
     the futures and when the kill happened."""
@@ -111,7 +98,7 @@ def test_a_killed_controller_takes_its_job_back_and_no_step_runs_twice(daemons, 
     for _ in range(4):
         daemons.worker()
     with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
-        workers = _live_workers(client, 4)
+        workers = live_workers(client, 4)
         x, y = batches[0]
         job = client.pipeline(
             model, example_input=x, example_target=y, loss_fn=loss_fn, stages=4, microbatches=2,
@@ -129,7 +116,7 @@ def test_a_killed_controller_takes_its_job_back_and_no_step_runs_twice(daemons, 
         losses += [job.step(*b) for b in batches[7:]]
         assert_matches_reference(losses, job.state_dict(), expected_losses, expected_state, RTOL)
 
-        assert _live_workers(client, 4) == workers  # each worker once, with its old id and process
+        assert live_workers(client, 4) == workers  # each worker once, with its old id and process
         (status,) = [j for j in client.status().jobs if j.job_id == job.id]
         assert status.state == "ready" and status.steps == len(batches)
         job.close()
@@ -141,7 +128,7 @@ def test_a_job_that_lost_a_worker_while_the_controller_was_down_resumes_on_a_spa
     controller = daemons.controller()
     workers = [daemons.worker() for _ in range(5)]
     with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
-        _live_workers(client, 5)
+        live_workers(client, 5)
         x, y = batches[0]
         job = client.pipeline(
             model, example_input=x, example_target=y, loss_fn=loss_fn, stages=4, microbatches=2,
@@ -177,15 +164,15 @@ def test_a_controller_restarted_on_an_empty_state_directory_knows_each_worker_on
     controller = daemons.controller("first")
     workers = [daemons.worker() for _ in range(2)]
     with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
-        before = _live_workers(client, 2)
+        before = live_workers(client, 2)
         controller.kill()
         controller.wait(10)
         daemons.controller("empty")
-        assert _live_workers(client, 2) == before
+        assert live_workers(client, 2) == before
         workers[0].kill()
         workers[0].wait(10)
         killed = time.monotonic()
-        (left,) = _live_workers(client, 1).values()
+        (left,) = live_workers(client, 1).values()
         assert left == workers[1].pid
         assert time.monotonic() - killed < HEARTBEAT_TIMEOUT_S + 5  # room for a loaded machine
 
@@ -197,7 +184,7 @@ def test_a_controller_that_does_not_come_back_fails_the_step_naming_it(daemons):
     controller = daemons.controller()
     daemons.worker()
     with atoll.connect(daemons.address, token_file=str(daemons.token), reconnect_timeout_s=2.0) as client:
-        _live_workers(client, 1)
+        live_workers(client, 1)
         x, y = batches[0]
         job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=1, microbatches=2)
         job.step(x, y)

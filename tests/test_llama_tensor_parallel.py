@@ -14,22 +14,6 @@ transformers = pytest.importorskip("transformers")
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 FAMILIES = ["llama", "llama-bias", "mistral"]
-PROJECTIONS = {
-    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), "colwise"),
-    **dict.fromkeys(("o_proj", "down_proj"), "rowwise"),
-}
-
-
-def _roles(plan_report) -> dict[str, str]:
-    return {m: role for s in plan_report["stages"] for m, role in s["tensor_parallel"]["modules"].items()}
-
-
-def _assert_every_projection_sharded(roles: dict[str, str], layers: int = 2) -> None:
-    for layer in range(layers):
-        for name, role in PROJECTIONS.items():
-            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            assert roles[f"lm.model.layers.{layer}.{part}.{name}"] == role, (layer, name, roles)
-    assert roles["lm.model.embed_tokens"] == "vocab_embedding" and roles["lm.lm_head"] == "vocab_head"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,8 +23,8 @@ def test_the_plan_shards_every_projection_of_a_llama_family_model(family):
     model, batches = models.hf_llama(transformers, family)
     x, y = batches[0]
     compiled = models.compile_locally(model, x, y, models.lm_loss, stages=1, microbatches=2, tensor_parallel=2)
-    roles = _roles(compiled.report({}))
-    _assert_every_projection_sharded(roles)
+    roles = models.tp_roles(compiled.report({}))
+    models.assert_llama_projections_sharded(roles)
     cut = {n: p for s in compiled.report({})["stages"] for n, p in s["tensor_parallel"]["sharded_parameters"].items()}
     assert cut["lm.model.layers.0.self_attn.k_proj.weight"]["dim"] == 0  # 2 key/value heads: one per rank
     if family == "llama-bias":
@@ -103,7 +87,7 @@ def test_tensor_parallel_llama_family_matches_one_process(client4, family, seque
         client4, model, batches, stages=1, tensor_parallel=2, sequence_parallel=sequence
     )
     assert job.plan.report["layout"]["sequence_parallel"] == sequence
-    _assert_every_projection_sharded(_roles(job.plan.report))
+    models.assert_llama_projections_sharded(models.tp_roles(job.plan.report))
 
 
 @pytest.mark.cluster

@@ -182,13 +182,11 @@ def test_llama_family_on_eight_workers(cluster8, family):
     """Llama and Mistral from transformers (grouped-query attention, rotary, SwiGLU) as PP=2 x TP=2 x
     DP=2 with ZeRO-1 under AdamW: every projection cut; the float32 run held to its losses, the
     float64 run to losses and weights (tests/reference.py, "AdamW parity")."""
-    from tests.test_llama_tensor_parallel import _assert_every_projection_sharded, _roles
-
     model, batches = models.hf_llama(pytest.importorskip("transformers"), family)
     for net in (model, copy.deepcopy(model).double()):
         with cluster8.client() as client:
             job, results, state, output = _train(
                 client, net, batches, models.lm_loss, "adamw", stages=2, tensor_parallel=2, data_parallel=2, zero=1
             )
-        _assert_every_projection_sharded(_roles(job.plan.report))
+        models.assert_llama_projections_sharded(models.tp_roles(job.plan.report))
         _check(job, results, state, output, net, batches, models.lm_loss, "adamw", replicas=2, losses_only=net is model)
