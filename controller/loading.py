@@ -97,9 +97,13 @@ class Loader:
     load_timeout_s: float
     _compile_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
-    def submit(self, request: pb.PipelineProgram) -> pb.SubmitReply:
+    def compile(self, request: pb.PipelineProgram) -> CompiledPipeline:
+        """A submitted program compiled (also a restarted controller's recorded one, controller/recovery.py)."""
         with self._compile_lock:  # torch.export's (de)serializers keep global state: one compile at a time
-            compiled = compile_pipeline(decode_program(request))
+            return compile_pipeline(decode_program(request))
+
+    def submit(self, request: pb.PipelineProgram) -> pb.SubmitReply:
+        compiled = self.compile(request)
         cfg, topo = compiled.request.config, compiled.topology
         # islands name each pipeline rank's island, the same for every replica and island rank
         if len(cfg.islands) == topo.ranks:

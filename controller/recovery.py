@@ -31,10 +31,9 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.cluster.leases import Leases
 from atoll.controller.cluster.registry import Registry, WorkerRecord
 from atoll.controller.cluster.rendezvous import Rendezvous
-from atoll.controller.compiler.pipeline import compile_pipeline
 from atoll.controller.jobs import Job, JobState, JobTable
 from atoll.controller.lifecycle import Lifecycle
-from atoll.controller.loading import decode_program
+from atoll.controller.loading import Loader
 from atoll.controller.statedir import JobRow, MemoryState
 
 log = logging.getLogger("atoll.controller")
@@ -47,6 +46,8 @@ class Recovery:
     rendezvous: Rendezvous
     leases: Leases
     lifecycle: Lifecycle
+    loader: Loader
+    """Compiles each recorded program again, as a submission is."""
     records: MemoryState
     _returned: dict[str, dict[str, pb.HeldJob]] = field(default_factory=dict, init=False)
     """Per recovering job, its workers back so far and what each reported."""
@@ -82,7 +83,7 @@ class Recovery:
         )
 
     def _job(self, row: JobRow) -> Job:
-        compiled = compile_pipeline(decode_program(pb.PipelineProgram.FromString(row.program)))
+        compiled = self.loader.compile(pb.PipelineProgram.FromString(row.program))
         workers = [self.registry.get(w) for w in row.placement]
         job = Job(row.job_id, row.name, compiled, [w for w in workers if w is not None], row.report)
         job.islands, job.session, job.namespace = row.islands, row.session, row.namespace
@@ -99,7 +100,6 @@ class Recovery:
         else:
             job.state = JobState.RECOVERING
             self.rendezvous.open(row.namespace, row.secret)  # the workers' groups may meet there again
-            self._returned[job.job_id] = {}
         return job
 
     def returned(self, record: WorkerRecord, held: list[pb.HeldJob]) -> list[str]:

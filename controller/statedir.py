@@ -21,6 +21,7 @@ records in memory only (``MemoryState``): a restart loses its jobs, as before.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -189,7 +190,7 @@ class StateDir(MemoryState):
 
     def worker(self, row: WorkerRow) -> None:
         with self._transaction() as db:
-            db.execute("INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?, ?, ?)", _fields(row))
+            db.execute("INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?, ?, ?)", dataclasses.astuple(row))
 
     def worker_died(self, worker_id: str) -> None:
         with self._transaction() as db:
@@ -254,10 +255,6 @@ class StateDir(MemoryState):
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-def _fields(row) -> tuple:
-    return tuple(getattr(row, name) for name in row.__slots__)
 
 
 class _Transaction:

@@ -96,6 +96,15 @@ class _FlopsPerNode(fx.Interpreter):
         return out
 
 
+def flops_per_node(gm: fx.GraphModule, make_inputs) -> dict[fx.Node, int]:
+    """Each node's forward FLOPs (torch's FlopCounterMode), the graph run on fake tensors from
+    ``make_inputs()`` (called inside the fake mode, where it allocates nothing)."""
+    with fake_mode() as mode, FlopCounterMode(display=False) as counter, torch.no_grad():
+        run = _FlopsPerNode(gm, counter, mode)
+        run.run(*make_inputs())
+    return run.flops
+
+
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -121,12 +130,10 @@ class _ModelGraph:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.paths = [module_path(n) for n in self.nodes]
         self._name_tensors(aliases)
-        with fake_mode() as mode, FlopCounterMode(display=False) as counter, torch.no_grad():
-            run = _FlopsPerNode(gm, counter, mode)
-            run.run(*fake_inputs(input_spec))
+        flops = flops_per_node(gm, lambda: fake_inputs(input_spec))
         # cost as the compiler's BlockInfo.cost: forward + backward FLOPs, plus a few optimizer
         # element-wise operations per parameter (charged to the first node using it)
-        self.costs = [3.0 * run.flops.get(n, 0) for n in self.nodes]
+        self.costs = [3.0 * flops.get(n, 0) for n in self.nodes]
         charged: set[str] = set()
         for node in gm.graph.nodes:
             if node.op == "get_attr" and node.users and self.canonical(node.target) in self.params:

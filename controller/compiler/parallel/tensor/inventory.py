@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.controller.compiler.parallel.graph_ops import ADDMM, LINEAR, tensor_value
+from atoll.controller.compiler.parallel.graph_ops import ADDMM, LINEAR
 from atoll.controller.compiler.parallel.tensor.propagate import SDPA, Decisions, Shard
-from atoll.controller.compiler.split import module_path
+from atoll.controller.compiler.split import flops_per_node, module_path
 from atoll.core.graphs import deserialize
 from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
@@ -44,7 +44,7 @@ class ShardedStage:
     """Stage output position -> the dimension it is sharded along (the last stage's logits)."""
     coverage: dict[str, float]
     """The share of the stage's parameters ("parameters") and of its matrix products' forward FLOPs
-    ("forward_flops": linear layers and attention) divided over the island."""
+    ("forward_flops": torch's FLOP count of each node, as the split's cost model) divided over the island."""
     whole: dict[str, str]
     """The linear layers left whole on every rank, each with why (the plan's "replicate" included)."""
     rank_collectives: tuple[dict[str, list[dict]], ...]
@@ -96,29 +96,13 @@ def module_roles(d: Decisions) -> dict[str, str]:
     return roles
 
 
-def _forward_flops(node) -> int:
-    """A matrix product's forward FLOPs (2 per multiply-add): a linear layer's or attention's; 0 else."""
-    out = tensor_value(node)
-    if out is None:
-        return 0
-    if node.target is LINEAR:
-        return 2 * out.numel() * tensor_value(node.args[0]).shape[-1]
-    if node.target is ADDMM:
-        return 2 * out.numel() * tensor_value(node.args[1]).shape[-1]
-    if node.target is SDPA:  # q k^T, then its weights times v
-        q, k = tensor_value(node.args[0]), tensor_value(node.args[1])
-        return 4 * q.numel() * k.shape[-2]
-    return 0
-
-
-def coverage(gm, d: Decisions) -> dict[str, float]:
-    """ShardedStage.coverage."""
+def coverage(gm, d: Decisions, inputs: list) -> dict[str, float]:
+    """ShardedStage.coverage; ``inputs``: example stage inputs."""
     params = dict(gm.named_parameters())
     total = sum(p.numel() for p in params.values())
     cut = sum(params[name].numel() for name in d.params if name in params)
     flops = divided = 0
-    for node in gm.graph.nodes:
-        f = _forward_flops(node)
+    for node, f in flops_per_node(gm, lambda: inputs).items():
         flops += f
         if node in d.column or node in d.row or (node.target is SDPA and isinstance(d.place.get(node), Shard)):
             divided += f

@@ -56,7 +56,7 @@ def shard_stage(
         params={name: shard for name, (shard, _) in d.params.items()},
         modules=module_roles(d),
         output_dims=dict(d.output_dims),
-        coverage=coverage(gm, d),
+        coverage=coverage(gm, d, inputs),
         whole=whole_linears(gm, d),
         rank_collectives=rank_collectives(programs, loss_out),
     )
