@@ -119,6 +119,8 @@ class PipelineExecutor:
         # storages counted in their own categories, never as stashed activations
         self.not_activations = {storage_key(t) for t in self.params} | {storage_key(t) for t in self.recv_buffers}
         self.parameter_bytes = storage_bytes(self.params)
+        self.saved_bytes: dict[tuple, int] = {}
+        """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
         self.optimizer_bytes = 0
         self.failure = ""
