@@ -14,7 +14,9 @@ processes stay up (atoll, torch, atoll, torch, ...): each round gives a ratio, a
 gives per-round ratios and their median. Prints one JSON object; ratio = atoll / torch steps per
 second (above 1 means atoll is faster). atoll is measured twice per round: with ``job.step``
 (each step waits for the previous) and with ``job.step_async`` (a round's steps are all sent
-before waiting, as a Pathways client would). Nothing here asserts on time.
+before waiting, as a Pathways client would). On CPU the report also gives the CPU milliseconds
+each side's processes spent per step (atoll's client, controller and workers; torch's ranks): with
+more processes than cores, the rates follow it. Nothing here asserts on time.
 
 With ``--device cuda`` the peer is the same model trained in one process on the same GPU (same
 microbatches, optimizer and batches; no pipeline, so no bubble): ratio = atoll / single process.
@@ -40,6 +42,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dispatch import _cpu_seconds, process_pids  # noqa: E402
 
 import atoll  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
@@ -219,15 +224,38 @@ class SingleGpuSide:
         pass
 
 
+class CpuMeter:
+    """CPU seconds (user + system, from /proc) that a set of processes spent, summed over the
+    windows between ``start`` and ``stop``: on a host with fewer cores than processes, both sides'
+    step rates follow the CPU each step costs, so the report shows where it went."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.spent = dict.fromkeys(pids, 0.0)
+        self._at: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._at = {k: _cpu_seconds(pid) for k, pid in self.pids.items()}
+
+    def stop(self) -> None:
+        for k, pid in self.pids.items():
+            self.spent[k] += _cpu_seconds(pid) - self._at[k]
+
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        out = {k: round(v / steps * 1e3, 2) for k, v in self.spent.items()}
+        return {**out, "total": round(sum(self.spent.values()) / steps * 1e3, 2)}
+
+
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def compare(client, model, batches, args, schedule: str) -> dict:
+def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, int]) -> dict:
     """atoll and its peer in alternating rounds: torch.distributed.pipelining on CPU, the same
-    model in one process on the GPU."""
+    model in one process on the GPU. On CPU, the CPU each side's processes spent per step in
+    the rounds of ``job.step`` (atoll: ``atoll_pids``) and of the peer is reported too."""
     virtual = args.virtual_stages if schedule == "interleaved_1f1b" else 1
     atoll = AtollSide(client, model, batches, args, schedule, virtual)
     if args.device == "cuda":
@@ -235,13 +263,18 @@ def compare(client, model, batches, args, schedule: str) -> dict:
     else:
         peer = TorchSide(args, schedule, virtual, atoll.stage_blocks)
         name, steps_key = "torch", "torch_pipelining_steps_per_s"
+    cpu = CpuMeter(atoll_pids), CpuMeter({f"rank{r}": p.pid for r, p in enumerate(getattr(peer, "procs", []))})
     try:
         rounds, waiting = [], []
         for _ in range(args.rounds):
+            cpu[0].start()
             a_rate, a_loss = atoll.run(args.steps)
+            cpu[0].stop()
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
+            cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
+            cpu[1].stop()
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
             rounds.append((a_rate, p_rate, t_rate))
@@ -269,6 +302,9 @@ def compare(client, model, batches, args, schedule: str) -> dict:
         "predicted_memory_total_per_rank": [report["predicted_memory"][str(r)]["total"] for r in range(args.ranks)],
         "counted_memory_total_per_rank": [memory[r]["peak"]["total"] for r in range(args.ranks)],
     }
+    if args.device == "cpu":
+        row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
+        row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
@@ -303,7 +339,7 @@ def main() -> None:
         cluster.client() as client,
     ):
         for schedule in args.schedules.split(","):
-            rows.append(compare(client, model, batches, args, schedule))
+            rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
     print(
         json.dumps(
             {

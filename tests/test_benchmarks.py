@@ -32,6 +32,9 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     (row,) = json.loads(out.stdout)["rows"]
     assert row["atoll_steps_per_s"] > 0 and row["torch_pipelining_steps_per_s"] > 0
     assert row["first_round_loss_atoll"] == pytest.approx(row["first_round_loss_torch"], rel=1e-4)
+    assert set(row["atoll_cpu_ms_per_step"]) == {"client", "controller", "worker0", "worker1", "total"}
+    assert set(row["torch_cpu_ms_per_step"]) == {"rank0", "rank1", "total"}
+    assert row["atoll_cpu_ms_per_step"]["total"] > 0 and row["torch_cpu_ms_per_step"]["total"] > 0
 
 
 def test_dispatch_benchmarks_simulated_workers_register_load_and_step():
