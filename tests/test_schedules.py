@@ -76,6 +76,16 @@ def torch_interleaved_order(ranks: int, virtual: int, microbatches: int) -> dict
     return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
 
 
+def torch_zero_bubble_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
+    """ZB-H1: torch's ScheduleInterleavedZeroBubble (its ZB1P) at one stage per rank, from the
+    order it computes for every rank (its bubbles, None, left out)."""
+    sched = object.__new__(torch_schedules.ScheduleInterleavedZeroBubble)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = ranks, 1, microbatches
+    sched.number_of_rounds = max(1, microbatches // ranks)
+    sched.microbatches_per_round = microbatches // sched.number_of_rounds
+    return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
 def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
@@ -83,6 +93,8 @@ def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
     ours = {r: [str(a) for a in acts] for r, acts in build_schedule(topo).items()}
     if schedule == "interleaved_1f1b":
         theirs = torch_interleaved_order(ranks, topo.virtual_stages, microbatches)
+    elif schedule == "zb_h1":
+        theirs = torch_zero_bubble_order(ranks, microbatches)
     else:
         theirs = torch_single_stage_order(schedule, ranks, microbatches)
     assert ours == theirs
@@ -101,7 +113,8 @@ def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
             if a.kind is Kind.RECV_F:
                 assert actions.index(Action(a.stage, Kind.FORWARD, a.microbatch)) > i
             if a.kind is Kind.RECV_B:
-                assert actions.index(Action(a.stage, Kind.BACKWARD, a.microbatch)) > i
+                backward = Kind.BACKWARD_INPUT if schedule == "zb_h1" else Kind.BACKWARD
+                assert actions.index(Action(a.stage, backward, a.microbatch)) > i
 
 
 # ----------------------------------------------------------------- golden text

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from atoll.core.config import JobConfig
-from atoll.core.names import DEVICE_KINDS, DISPATCH_MODES, TRANSPORTS
+from atoll.core.names import DEVICE_KINDS, DISPATCH_MODES, SPLIT_BACKWARD_SCHEDULES, TRANSPORTS
 from atoll.core.optim import validate_optimizer
 from atoll.errors import InvalidInput
 
@@ -26,6 +26,13 @@ def check_config(cfg: JobConfig) -> None:
     if cfg.sequence_parallel and cfg.tensor_parallel == 1:
         raise InvalidInput(
             "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
+        )
+    if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.rematerialize:
+        raise InvalidInput(f"schedule {cfg.schedule!r} splits the backward; with rematerialize it is not built yet")
+    if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.tensor_parallel > 1:
+        raise InvalidInput(
+            f"schedule {cfg.schedule!r} splits the backward; a tensor-parallel stage's backward "
+            "collectives would split with it (not built yet)"
         )
     if cfg.auto_resume and not cfg.checkpoint_path:
         raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")

@@ -35,6 +35,8 @@ class Lowered:
 
 
 def _recv_of(c: Action, routes: Routes) -> Action | None:
+    if c.kind.direction is None:  # a weight gradient receives nothing
+        return None
     forward = c.kind.direction == "forward"
     if routes.needs_recv_f(c.stage) if forward else routes.needs_recv_b(c.stage):
         return Action(c.stage, paired(c.kind, "recv"), c.microbatch)
@@ -42,6 +44,8 @@ def _recv_of(c: Action, routes: Routes) -> Action | None:
 
 
 def _sends_of(c: Action, routes: Routes) -> list[Action]:
+    if c.kind.direction is None:  # ... and sends nothing
+        return []
     forward = c.kind.direction == "forward"
     if routes.sends_f(c.stage) if forward else routes.sends_b(c.stage):
         return [Action(c.stage, paired(c.kind, "send"), c.microbatch)]
@@ -88,7 +92,7 @@ def _assign_slots(actions: list[Action]) -> tuple[dict[Action, int], dict[int, t
                 owner[slot] = (a.stage, a.kind)
             assignment[a] = slot
             held.setdefault((a.stage, a.microbatch), []).append(slot)
-        elif a.kind.memory == "release":  # the backward that frees its microbatch's receives
+        elif a.kind.memory == "release":  # the backward (or W) that frees its microbatch's receives
             for slot in held.pop((a.stage, a.microbatch), []):
                 free[owner[slot]].append(slot)
                 free[owner[slot]].sort()

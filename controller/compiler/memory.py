@@ -19,9 +19,11 @@ import torch.utils._pytree as pytree
 from atoll.controller.compiler.lowering import Lowered
 from atoll.controller.compiler.program import fake_inputs, fake_mode
 from atoll.controller.compiler.topology import Topology
+from atoll.core import split_backward
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten, on_device
 from atoll.core.memory import MemorySnapshot, SavedTensors, storage_key
+from atoll.core.split_backward import held_bytes
 from atoll.core.wire import EdgeSpec
 
 
@@ -32,6 +34,9 @@ class StageMemory:
     """Held from a microbatch's forward to its backward (just its input under rematerialization)."""
     recomputed_bytes: int
     """Held only during a backward that recomputes the forward (0 without rematerialization)."""
+    held_bytes: int = 0
+    """Where the backward is split: the gradients its input half keeps for its weight half
+    (atoll.core.split_backward), held from I to W on top of the stash."""
 
 
 def measure_stage(
@@ -42,12 +47,14 @@ def measure_stage(
     target_spec: EdgeSpec | None,
     rematerialize: bool,
     device: str = "cpu",
+    split_backward: bool = False,
 ) -> StageMemory:
     """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
     would hold. ``from_stages``: the input positions another stage produces (received into
     buffers or handed over from the producer's stash, so counted there); batch inputs are the
     stage's own. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
-    to fake device weights in place."""
+    to fake device weights in place. With ``split_backward``, the input half of the backward runs
+    too (on gradients standing for the received ones), counting what it keeps for the weight half."""
     with fake_mode() as mode:
         graph = graph.on(device, mode)
         if loss is not None and device != "cpu":
@@ -70,12 +77,27 @@ def measure_stage(
                 args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec, device), loss.in_spec)
                 outputs = [loss.module(*args, **kwargs)]
         counter.add(outputs)
+        held = _held_bytes(outputs, loss is not None, inputs, graph, exclude) if split_backward else 0
     parameter_bytes = sum(p.numel() * p.element_size() for p in params)
     if not rematerialize:
-        return StageMemory(parameter_bytes, counter.nbytes, 0)
+        return StageMemory(parameter_bytes, counter.nbytes, 0, held)
     kept = SavedTensors(exclude)
     kept.add(inputs)
     return StageMemory(parameter_bytes, kept.nbytes, counter.nbytes)
+
+
+def _held_bytes(outputs, is_loss: bool, inputs, graph: StageGraph, exclude: set[int]) -> int:
+    """What the input half of a split backward keeps for the weight half, counted as the worker
+    counts it (runtime/worker/executor/compute.py), on zeros standing for the output gradients."""
+    if is_loss:  # the executor divides the loss by the microbatch count (any divisor keeps the same)
+        roots, grads = [outputs[0] / 2], None
+    else:
+        roots = [o for o in outputs if o.requires_grad]
+        grads = [torch.zeros_like(o) for o in roots]
+    if not roots:
+        return 0
+    half = split_backward.backward_input(roots, grads, inputs, [p for _, p in graph.named_parameters()])
+    return held_bytes(half, grads, exclude)
 
 
 def optimizer_state_bytes(name: str, args: dict, params: Sequence[torch.Tensor]) -> int:
@@ -112,10 +134,15 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
             peak = snap
         peak_stashed = max(peak_stashed, stashed)
 
+    held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> bytes its input half keeps
     for a in actions:
         if a.kind.memory == "stash":
             activations += stage_memory[a.stage].stashed_bytes
             stashed += 1
+            observe()
+        elif a.kind.memory == "hold":
+            held[(a.stage, a.microbatch)] = stage_memory[a.stage].held_bytes
+            activations += stage_memory[a.stage].held_bytes
             observe()
         elif a.kind.memory == "release":
             mem = stage_memory[a.stage]
@@ -123,7 +150,7 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
                 activations += mem.recomputed_bytes
                 observe()
                 activations -= mem.recomputed_bytes
-            activations -= mem.stashed_bytes
+            activations -= mem.stashed_bytes + held.pop((a.stage, a.microbatch), 0)
             stashed -= 1
             stages_with_grads.add(a.stage)
             observe()

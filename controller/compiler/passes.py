@@ -22,6 +22,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import BATCH, Dataflow, Routes
 from atoll.core.graphs import BlockGraph, StageGraph, deserialize
+from atoll.core.names import SPLIT_BACKWARD_SCHEDULES
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 
@@ -158,6 +159,7 @@ def measure_stages(st: CompileState) -> None:
             st.microbatch_target if is_last else None,
             st.config.rematerialize,
             st.device,
+            split_backward=topo.schedule in SPLIT_BACKWARD_SCHEDULES,
         )
         st.stages.append(
             CompiledStage(

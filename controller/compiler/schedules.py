@@ -9,6 +9,11 @@ torch.distributed.pipelining executes for the same sizes (tests compare them):
   min(S - r, M) microbatches of activations instead of GPipe's M.
 - Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): each rank holds V model chunks;
   forwards walk the chunks in rounds of microbatches, backwards walk them in reverse.
+- ZB-H1 (zero bubble, Qi et al. 2024): 1F1B with each backward split into its input-gradient
+  half I, which the previous rank waits for, and its weight-gradient half W, which nobody waits
+  for: rank r runs P - r forwards, then F and I alternately, and starts its W's r steps late, so
+  they fill the bubbles 1F1B leaves at the end of a step; memory stays 1F1B's. The order is
+  torch.distributed.pipelining's ScheduleInterleavedZeroBubble at one stage per rank.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from atoll.controller.compiler.topology import Topology
-from atoll.core.actions import Action, B, F
+from atoll.core.actions import Action, B, F, I, W
 
 Schedule = dict[int, list[Action]]
 
@@ -72,10 +77,31 @@ def _interleaved_rank(topo: Topology, r: int) -> list[Action]:
     return ops
 
 
+def zb_h1(topo: Topology) -> Schedule:
+    S, M = topo.ranks, topo.microbatches
+    order: Schedule = {}
+    for r in range(S):
+        warmup = min(S - 1 - r, M)
+        ops = [F(r, m) for m in range(warmup)]
+        next_f, next_w = warmup, 0
+        for m in range(M):  # a forward while any is left, an input gradient, and from the r-th on a weight one
+            if next_f < M:
+                ops.append(F(r, next_f))
+                next_f += 1
+            ops.append(I(r, m))
+            if m >= r:
+                ops.append(W(r, next_w))
+                next_w += 1
+        ops += [W(r, m) for m in range(next_w, M)]
+        order[r] = ops
+    return order
+
+
 BUILDERS: dict[str, Callable[[Topology], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zb_h1,
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from atoll.controller.compiler.topology import Topology
-from atoll.core.actions import Action, Kind, paired
+from atoll.core.actions import Action, Kind, kind_of, kinds, paired
 from atoll.core.dataflow import Routes
 from atoll.errors import InvalidInput
 
@@ -72,6 +72,8 @@ def _recv_of(a: Action) -> Action:
 def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
     """What compute ``a`` consumes: (computes on this rank it takes over a local hand-off,
     peers' SENDs whose data it receives). Forward data flows along the edges, gradients against them."""
+    if a.kind.direction is None:  # a weight gradient: only its own stage's input gradient
+        return [], []
     s, m, send = a.stage, a.microbatch, paired(a.kind, "send")
     if a.kind.direction == "forward":
         local = [Action(e.src, a.kind, m) for _, e in routes.local_in(s)]
@@ -87,6 +89,11 @@ def matching_recvs(send: Action, routes: Routes) -> list[Action]:
     if send.kind.direction == "forward":
         return list(dict.fromkeys(Action(e.dst, recv, m) for _, e in routes.remote_out(s)))
     return list(dict.fromkeys(Action(e.src, recv, m) for _, e in routes.remote_in(s) if e.differentiable))
+
+
+def _computes(direction: str | None) -> list:
+    """The compute kinds of a direction (a backward: B, or I of a split one)."""
+    return [k for k in kinds() if k.category == "compute" and k.direction == direction]
 
 
 def _meets_tied(a: Action) -> bool:
@@ -107,6 +114,7 @@ def simulate(
     spans: dict[int, list[Span]] = {r: [] for r in actions}
     reduce_at = {r: next((i for i, a in enumerate(acts) if _meets_tied(a)), None) for r, acts in actions.items()}
     reduced: dict[int, float] = {}  # rank -> time its REDUCE_GRAD finished
+    used = {a.kind for acts in actions.values() for a in acts}  # the schedule's kinds, for messages
 
     def blocker(rank: int, a: Action) -> str | None:
         """Why ``a`` cannot run yet, or None when it can."""
@@ -120,8 +128,9 @@ def simulate(
         if category == "compute":
             if a in done:
                 return f"{a} runs twice"
-            if a.kind.direction == "backward" and Action(a.stage, Kind.FORWARD, a.microbatch) not in done:
-                return f"waits for {a.stage}F{a.microbatch}, not yet run on this rank"
+            needed = Action(a.stage, kind_of(a.kind.requires), a.microbatch) if a.kind.requires else None
+            if needed is not None and needed not in done:
+                return f"waits for {needed}, not yet run on this rank"
             local, remote = _inputs(a, routes)
             for producer in local:
                 if producer not in done:
@@ -137,8 +146,11 @@ def simulate(
         if category == "send":
             if a in done:
                 return f"{a} is sent twice"
-            source = Action(a.stage, paired(a.kind, "compute"), a.microbatch)
-            return None if source in done else f"sends the result of {source}, which has not run"
+            # the compute whose result it sends: B, or I where the backward is split
+            sources = [Action(a.stage, k, a.microbatch) for k in _computes(a.kind.direction) if k in used]
+            if any(x in done for x in sources):
+                return None
+            return f"sends the result of {' or '.join(map(str, sources))}, which has not run"
         if _meets_tied(a):  # a collective of the ranks holding tied parameters
             for peer in sorted(routes.tied_peers(rank)):
                 if reduce_at.get(peer) is None:
@@ -208,11 +220,19 @@ def _check_complete(actions, topo, routes, done, posted, consumed) -> None:
     for rank, acts in actions.items():
         if routes.reduces_on(rank) and not any(_meets_tied(a) for a in acts):
             problems.append(f"rank {rank} holds a tied parameter but never runs REDUCE_GRAD")
+    used = {a.kind for acts in actions.values() for a in acts}
+    backwards = [k for k in kinds() if k.grads]
     for s in range(topo.num_stages):
         for m in range(topo.microbatches):
-            for kind in (Kind.FORWARD, Kind.BACKWARD):
-                if Action(s, kind, m) not in done:
-                    problems.append(f"rank {topo.rank_of(s)} never runs {Action(s, kind, m)}")
+            if Action(s, Kind.FORWARD, m) not in done:
+                problems.append(f"rank {topo.rank_of(s)} never runs {Action(s, Kind.FORWARD, m)}")
+            ran = [k for k in backwards if Action(s, k, m) in done]
+            if not {"input", "weight"} <= {g for k in ran for g in ("input", "weight") if k.grads in (g, "both")}:
+                # name what the schedule's own kinds leave out: B, or the half of a split one
+                missing = [Action(s, k, m) for k in backwards if k in used and k not in ran] or [
+                    Action(s, Kind.BACKWARD, m)
+                ]
+                problems.append(f"rank {topo.rank_of(s)} never runs {' or '.join(map(str, missing))}")
     for recv in posted.keys() - consumed:
         problems.append(f"rank {topo.rank_of(recv.stage)} posts {recv} but nothing consumes it")
     if problems:

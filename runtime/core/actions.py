@@ -40,7 +40,14 @@ class ActionSpec:
     category: Category
     direction: Literal["forward", "backward"] | None = None
     """For compute, send and recv kinds: the pass they belong to, which pairs a compute with the
-    receive it takes and the send that carries its result."""
+    receive it takes and the send that carries its result. A compute kind without one (the
+    weight-gradient half of a split backward) takes and sends nothing."""
+    requires: str | None = None
+    """For compute kinds: the code of the kind that must have run on the same stage and
+    microbatch first (a backward needs its forward; a weight gradient its input gradient)."""
+    grads: Literal["input", "weight", "both"] | None = None
+    """For backward compute kinds: the gradients it computes (a stage's backward is complete once
+    its kinds have computed both)."""
     per_step: bool = False
     """Runs once per step, so it carries no microbatch."""
     forward_only: bool = False
@@ -49,8 +56,9 @@ class ActionSpec:
     """The simulator's default duration, in forwards of one stage and microbatch."""
     group: Literal["tied", "replicas"] | None = None
     """For collectives: whom it meets."""
-    memory: Literal["stash", "release", "observe"] | None = None
+    memory: Literal["stash", "hold", "release", "observe"] | None = None
     """Its effect on the memory plan: a forward stashes activations, a backward releases them,
+    an input-gradient backward holds what its weight-gradient half will read (the stash stays),
     a step is a point where memory is observed."""
 
     @property
@@ -106,8 +114,19 @@ class Kind:
     """The kinds the compiler lowers every schedule to."""
 
     FORWARD = declare("FORWARD", "F", "compute", direction="forward", forward_only=True, cost=1.0, memory="stash")
-    BACKWARD = declare("BACKWARD", "B", "compute", direction="backward", cost=2.0, memory="release")
+    BACKWARD = declare(
+        "BACKWARD", "B", "compute", direction="backward", requires="F", grads="both", cost=2.0, memory="release"
+    )
     """About twice the forward: it computes input and weight gradients."""
+    BACKWARD_INPUT = declare(
+        "BACKWARD_INPUT", "I", "compute", direction="backward", requires="F", grads="input", cost=1.0, memory="hold"
+    )
+    """The input-gradient half of a split backward (zero-bubble schedules, Qi et al. 2024): the
+    gradients the previous stage waits for, sent at once; what the weight gradients need is kept."""
+    BACKWARD_WEIGHT = declare(
+        "BACKWARD_WEIGHT", "W", "compute", requires="I", grads="weight", cost=1.0, memory="release"
+    )
+    """The weight-gradient half: needs nothing from any peer, so a schedule places it in a bubble."""
     SEND_F = declare("SEND_F", "SEND_F", "send", direction="forward", forward_only=True)
     RECV_F = declare("RECV_F", "RECV_F", "recv", direction="forward", forward_only=True)
     SEND_B = declare("SEND_B", "SEND_B", "send", direction="backward")
@@ -175,3 +194,11 @@ def F(stage: int, mb: int) -> Action:
 
 def B(stage: int, mb: int) -> Action:
     return Action(stage, Kind.BACKWARD, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E743 (torch's name for the kind)
+    return Action(stage, Kind.BACKWARD_INPUT, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.BACKWARD_WEIGHT, mb)

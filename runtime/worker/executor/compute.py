@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.utils._pytree as pytree
 
+from atoll.core import split_backward
 from atoll.core.actions import Action, Kind
 from atoll.core.graphs import flatten
 from atoll.core.memory import SavedTensors, storage_key
@@ -132,6 +133,36 @@ def _output_grads(ex: PipelineExecutor, action: Action, state: StepState) -> dic
     return grads
 
 
+def _roots(ex: PipelineExecutor, action: Action, state: StepState, outputs) -> tuple[list, list | None]:
+    """Where a stage's backward starts: its loss (over the microbatch count) on the last stage, or
+    its outputs with their gradients (None for the loss). An integer-only edge has no gradient."""
+    if action.stage == ex.last_stage:
+        return [outputs[0] / ex.microbatches], None
+    pairs = [(outputs[i], g) for i, g in sorted(_output_grads(ex, action, state).items())]
+    pairs = [(o, g) for o, g in pairs if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _keep_input_grads(ex: PipelineExecutor, s: int, m: int, stash: Stash, state: StepState) -> None:
+    """The gradients of the stage's inputs made by other stages, for their readers."""
+    readers = ex.routes.grad_readers(s)
+    if readers:
+        state.input_grads[(s, m)] = InputGrads(
+            {
+                j: t.grad if t.grad is not None else torch.zeros_like(t)
+                for j, t in enumerate(stash.inputs)
+                if t.requires_grad
+            },
+            readers,
+        )
+
+
+def _armed(ex: PipelineExecutor, s: int, m: int):
+    """The data-parallel buckets take the stage's final gradients during its last backward."""
+    final = ex.buckets is not None and ex.last_backward.get(s) == m
+    return ex.buckets.last_backward(s) if final else contextlib.nullcontext()
+
+
 @handles(Kind.BACKWARD)
 def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
     s, m = action.stage, action.microbatch
@@ -144,23 +175,41 @@ def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
         # the recomputed activations live only while this backward runs: observe them now
         state.activation_bytes += recomputed
         ex.observe(state)
-    final = ex.buckets is not None and ex.last_backward.get(s) == m
-    with ex.buckets.last_backward(s) if final else contextlib.nullcontext():
-        if s == ex.last_stage:
-            torch.autograd.backward(outputs[0] / ex.microbatches)
-        else:
-            pairs = [(outputs[i], g) for i, g in sorted(_output_grads(ex, action, state).items())]
-            pairs = [(o, g) for o, g in pairs if o.requires_grad]
-            if pairs:  # an integer-only edge sends no gradient back
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    roots, grads = _roots(ex, action, state, outputs)
+    with _armed(ex, s, m):
+        if roots:
+            torch.autograd.backward(roots, grads)
     state.activation_bytes -= stash.nbytes + recomputed
-    readers = ex.routes.grad_readers(s)
-    if readers:
-        state.input_grads[(s, m)] = InputGrads(
-            {
-                j: t.grad if t.grad is not None else torch.zeros_like(t)
-                for j, t in enumerate(stash.inputs)
-                if t.requires_grad
-            },
-            readers,
-        )
+    _keep_input_grads(ex, s, m, stash, state)
+
+
+@handles(Kind.BACKWARD_INPUT)
+def backward_input(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    """The input half of a split backward: the input gradients now (sent by the SEND_B after
+    it), and what the weight half needs kept (atoll.core.split_backward); the stash stays."""
+    s, m = action.stage, action.microbatch
+    stash = state.stash.get((s, m))
+    if stash is None:
+        raise RuntimeError(f"{action} before {s}F{m}")
+    if (s, m) in state.weight_halves:
+        raise RuntimeError(f"{action} computed twice")
+    roots, grads = _roots(ex, action, state, stash.outputs)
+    half = split_backward.backward_input(roots, grads, stash.inputs, ex.stage_params[s])
+    held = split_backward.held_bytes(half, grads, ex.not_activations)
+    state.weight_halves[(s, m)] = (half, held)
+    state.activation_bytes += held
+    _keep_input_grads(ex, s, m, stash, state)
+
+
+@handles(Kind.BACKWARD_WEIGHT)
+def backward_weight(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    """The weight half: accumulates the stage's parameter gradients and frees the microbatch."""
+    s, m = action.stage, action.microbatch
+    taken = state.weight_halves.pop((s, m), None)
+    if taken is None:
+        raise RuntimeError(f"{action} before {s}I{m}")
+    half, held = taken
+    stash = state.stash.pop((s, m))
+    with _armed(ex, s, m):
+        split_backward.backward_weight(half, ex.stage_params[s])
+    state.activation_bytes -= stash.nbytes + held

@@ -81,12 +81,14 @@ class PipelineExecutor:
         run in (atoll.core.collectives), if any."""
         self.buckets: GradBuckets | None = None
         """Without ZeRO: the gradient all-reduces started during each stage's last backward."""
-        self.last_backward = {a.stage: a.microbatch for a in actions if a.kind is Kind.BACKWARD}
+        self.last_backward = {a.stage: a.microbatch for a in actions if a.kind.grads in ("weight", "both")}
+        """Per stage, the microbatch whose backward (B, or W where it is split) ends its gradients."""
         self.timeout_s = settings.data_plane_timeout_s
         self.device = device
         self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
-        self.params = [p for s in stages for _, p in s.graph.named_parameters()]
+        self.stage_params = {s.index: [p for _, p in s.graph.named_parameters()] for s in stages}
+        self.params = [p for ps in self.stage_params.values() for p in ps]
         # ZeRO-1: the parameters move into one flat buffer; this replica's optimizer steps its shard
         self.zero = (
             ZeroShard(self.params, replica, replicas, settings.optimizer, settings.optimizer_args)
@@ -140,8 +142,7 @@ class PipelineExecutor:
         self.replicas = group
         if self.zero is None:
             tied = {id(p) for copies in self.tied.values() for p in copies}
-            by_stage = {s: [p for _, p in st.graph.named_parameters()] for s, st in self.stages.items()}
-            self.buckets = GradBuckets(by_stage, tied, group, self.timeout_s)
+            self.buckets = GradBuckets(self.stage_params, tied, group, self.timeout_s)
 
     def _slot_specs(self, recv_slots: dict[Action, int]) -> dict[int, list[TensorSpec]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
@@ -240,6 +241,7 @@ class PipelineExecutor:
                 elif self.optimizer is not None:
                     self.optimizer.zero_grad(set_to_none=True)
                 state.stash.clear()
+                state.weight_halves.clear()
                 state.pending_recvs.clear()
             wall = time.perf_counter() - started
             measured = {

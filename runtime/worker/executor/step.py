@@ -39,6 +39,8 @@ class StepState:
     pending_recvs: dict[Action, tuple[list[torch.Tensor], list[Handle]]] = field(default_factory=dict)
     stash: dict[tuple[int, int], Stash] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], InputGrads] = field(default_factory=dict)
+    weight_halves: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    """Per (stage, microbatch) between its I and its W: what W needs and the bytes it holds."""
     sends: list[Handle] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     """Read once at the end of the step: reading each at once would make the host wait for the GPU."""

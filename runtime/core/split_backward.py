@@ -1,0 +1,168 @@
+"""A stage's backward in two halves, as zero-bubble schedules run it (Qi et al. 2024): first the
+gradients of the stage's inputs (what the previous stage waits for), later those of its weights.
+
+The input half runs autograd from the stage's outputs to its inputs only. On the way it passes
+the nodes where a path to a weight leaves the path to the inputs (the *frontier*); a pre-hook on
+each keeps the gradient flowing into it. The weight half then runs autograd from those kept
+gradients to the weights, so no node runs twice: together the halves do one backward's work.
+torch.distributed.pipelining splits its backward the same way (its ``stage_backward_input``).
+
+Where the frontier does not reach every weight that gets a gradient (a first stage, whose
+inputs need none; a weight whose path never meets an input's), the input half computes the input
+gradients keeping the whole graph, and the weight half runs the whole backward to the weights.
+Gradients are the same either way; only the work differs.
+
+The same code runs on fake tensors at compile time, so the bytes kept between the halves are
+predicted as the worker counts them.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from atoll.core.memory import storage_bytes, storage_key
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The autograd node a tensor's gradient flows into (a leaf's accumulator, made on demand)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _parents(roots: list[Node]) -> dict[Node, list[Node]]:
+    """For each node below ``roots``, the nodes whose backward feeds it."""
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    todo, seen = collections.deque(roots), set(roots)
+    while todo:
+        node = todo.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return parents
+
+
+def _above(start: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes from ``start`` up towards the outputs, not passing ``stop``: (reached, stops met)."""
+    reached, met = set(start), set()
+    todo = collections.deque(start)
+    while todo:
+        for parent in parents.get(todo.popleft(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in reached:
+                reached.add(parent)
+                todo.append(parent)
+    return reached, met
+
+
+@dataclass(eq=False)
+class WeightHalf:
+    """What the weight half of one microbatch's backward needs: the frontier's kept gradients, or
+    (the fallback) the outputs and their gradients with the whole graph kept."""
+
+    frontier: list[tuple[Node, list[torch.Tensor | None]]] | None
+    roots: list[torch.Tensor]
+    root_grads: list[torch.Tensor] | None
+
+    def kept(self) -> list[torch.Tensor]:
+        """The gradients held for the weight half (counted as a stage's held bytes)."""
+        return [g for _, grads in self.frontier or () for g in grads if g is not None]
+
+
+def backward_input(
+    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor], weights
+) -> WeightHalf:
+    """Compute the gradients of ``inputs`` (into their ``.grad``) from ``roots`` (the stage's
+    outputs with ``root_grads``, or its loss with None), keeping what ``backward_weight`` needs."""
+    wanted = [t for t in inputs if t.requires_grad]
+    root_nodes = [n for n in map(_node, roots) if n is not None]
+    parents = _parents(root_nodes)
+    weight_nodes = [n for n in (_node(w) for w in weights) if n is not None and n in parents]
+    input_nodes = [n for n in map(_node, wanted) if n is not None]
+    towards_inputs, _ = _above(input_nodes, parents, set())
+    frontier: set[Node] = set()
+    covered = True
+    tops = set(root_nodes) - towards_inputs
+    for node in weight_nodes:
+        # every way up from a weight must meet the inputs' paths: one that reaches an output
+        # without meeting them carries gradient the frontier would not see
+        reached, met = _above([node], parents, towards_inputs)
+        covered &= not (reached & tops)
+        frontier |= met
+    if not wanted or not covered:  # the fallback: the weight half runs the whole backward
+        if wanted:
+            grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
+            _accumulate(wanted, grads)
+        return WeightHalf(None, roots, root_grads)
+    order = list(frontier)
+    kept: dict[Node, list] = {}
+    hooks = [node.register_prehook(_keeper(kept, node)) for node in order]
+    try:
+        grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    _accumulate(wanted, grads)
+    for t in roots:  # the graph above the frontier is no longer needed: let it go
+        t.detach_()
+    return WeightHalf([(node, kept.get(node, [])) for node in order], [], None)
+
+
+def held_bytes(half: WeightHalf, root_grads: list[torch.Tensor] | None, exclude: set[int]) -> int:
+    """Bytes of the gradients ``half`` keeps, leaving out the output gradients themselves (a
+    receive buffer is counted as a buffer) and the storages in ``exclude`` (counted elsewhere)."""
+    exclude = exclude | {storage_key(g) for g in root_grads or ()}
+    return storage_bytes(g for g in half.kept() if storage_key(g) not in exclude)
+
+
+def _keeper(kept: dict, node: Node):
+    def hook(grad_outputs):
+        kept[node] = list(grad_outputs)
+
+    return hook
+
+
+def _accumulate(tensors: list[torch.Tensor], grads) -> None:
+    for t, g in zip(tensors, grads):
+        if g is not None:
+            t.grad = g if t.grad is None else t.grad + g
+
+
+def backward_weight(half: WeightHalf, weights: list[torch.Tensor]) -> None:
+    """Accumulate the weights' gradients (into ``.grad``) from what ``backward_input`` kept."""
+    weights = [w for w in weights if w.requires_grad]
+    if half.frontier is None:
+        if half.roots:
+            torch.autograd.backward(half.roots, half.root_grads, inputs=weights)
+        return
+    edges, grads = [], []
+    for node, kept in half.frontier:
+        for i, g in enumerate(kept):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+    if not edges:
+        return
+    # A frontier node below another would get the upper one's gradient on top of its own kept
+    # total: a pre-hook puts back exactly what it received in the input half.
+    hooks = [node.register_prehook(lambda _, kept=kept: tuple(kept)) for node, kept in half.frontier]
+    try:
+        by_node = {_node(w): w for w in weights}
+        reached = [n for n in by_node if n is not None]
+        found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in reached], grads, allow_unused=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    _accumulate([by_node[n] for n in reached], found)
+    half.frontier = None

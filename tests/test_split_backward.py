@@ -1,0 +1,117 @@
+"""The split backward of zero-bubble schedules (atoll.core.split_backward), in one process: the
+input half gives exactly the input gradients and no weight gradient, the weight half then gives
+exactly the weight gradients, for the shapes a stage takes (a chain, a skip, a weight whose path
+only meets the inputs' late, a first stage, two inputs, an output no input reaches)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from atoll.core.memory import storage_key
+from atoll.core.split_backward import backward_input, backward_weight, held_bytes
+
+
+class Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(8, 8), nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) + h * self.scale + x
+
+
+class LateWeight(nn.Module):
+    """A weight whose own path joins the inputs' only at the last add."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.table = nn.Linear(8, 8), nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return self.a(x) + self.table.exp()
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x, y):
+        return self.norm(self.a(x) * y)
+
+
+class TwoOutputs(nn.Module):
+    """The second output depends on a weight alone: no input's path meets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bias = nn.Linear(8, 8), nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return self.a(x), self.bias * 2
+
+
+def _chain():
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+
+CASES = [  # (model, inputs, whether the weight half starts from kept gradients)
+    (_chain, 1, True),
+    (Skip, 1, True),
+    (LateWeight, 1, True),
+    (TwoInputs, 2, True),
+    (TwoOutputs, 1, False),
+]
+
+
+def _outputs(model, inputs):
+    out = model(*inputs)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize(("make", "n_inputs", "split"), CASES, ids=[c[0].__name__ for c in CASES])
+@pytest.mark.parametrize("first_stage", [False, True], ids=["inner", "first"])
+def test_halves_give_exactly_the_full_backward(make, n_inputs, split, first_stage):
+    torch.manual_seed(0)
+    model = make().double()
+    twin = copy.deepcopy(model)
+    inputs = [torch.randn(4, 8, dtype=torch.float64, requires_grad=not first_stage) for _ in range(n_inputs)]
+    twin_inputs = [t.detach().clone().requires_grad_(not first_stage) for t in inputs]
+    outputs = _outputs(model, inputs)
+    grads = [torch.randn_like(o) for o in outputs]
+    torch.autograd.backward(outputs, grads)
+
+    half = backward_input(_outputs(twin, twin_inputs), grads, twin_inputs, list(twin.parameters()))
+    assert (half.frontier is not None) == (split and not first_stage)
+    for ref, got in zip(inputs, twin_inputs):
+        assert (ref.grad is None) == (got.grad is None)
+        if ref.grad is not None:
+            assert torch.equal(ref.grad, got.grad)
+    assert all(p.grad is None for p in twin.parameters())  # the weights wait for their half
+    backward_weight(half, list(twin.parameters()))
+    for (name, ref), got in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_kept_bytes_are_predicted_on_fake_tensors():
+    """What the compiler counts on fake tensors is what a worker counts on real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    model = _chain()
+    names = [n for n, _ in model.named_parameters()]
+
+    def kept_bytes(params):
+        x = torch.randn(4, 8, requires_grad=True)
+        out = torch.func.functional_call(model, dict(zip(names, params)), (x,))
+        grad = torch.zeros_like(out)
+        half = backward_input([out], [grad], [x], params)
+        return held_bytes(half, [grad], {storage_key(p) for p in params})
+
+    real = kept_bytes(list(model.parameters()))
+    with FakeTensorMode() as mode:
+        fake = kept_bytes([mode.from_tensor(p) for p in model.parameters()])
+    assert real == fake > 0
