@@ -18,7 +18,7 @@ SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
 
 
 def topology(schedule: str, ranks: int, microbatches: int) -> Topology:
-    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    virtual = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
     return Topology(ranks=ranks, virtual_stages=virtual, microbatches=microbatches, schedule=schedule)
 
 
@@ -76,6 +76,14 @@ def torch_interleaved_order(ranks: int, virtual: int, microbatches: int) -> dict
     return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
 
 
+def torch_zbv_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
+    """ZBV: torch's ScheduleZBVZeroBubble, two chunks per rank in a V."""
+    sched = object.__new__(torch_schedules.ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = ranks, 2, microbatches
+    sched.num_stages = 2 * ranks
+    return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
+
+
 def torch_zero_bubble_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
     """ZB-H1: torch's ScheduleInterleavedZeroBubble (its ZB1P) at one stage per rank, from the
     order it computes for every rank (its bubbles, None, left out)."""
@@ -95,6 +103,8 @@ def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
         theirs = torch_interleaved_order(ranks, topo.virtual_stages, microbatches)
     elif schedule == "zb_h1":
         theirs = torch_zero_bubble_order(ranks, microbatches)
+    elif schedule == "zbv":
+        theirs = torch_zbv_order(ranks, microbatches)
     else:
         theirs = torch_single_stage_order(schedule, ranks, microbatches)
     assert ours == theirs
@@ -113,7 +123,7 @@ def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
             if a.kind is Kind.RECV_F:
                 assert actions.index(Action(a.stage, Kind.FORWARD, a.microbatch)) > i
             if a.kind is Kind.RECV_B:
-                backward = Kind.BACKWARD_INPUT if schedule == "zb_h1" else Kind.BACKWARD
+                backward = Kind.BACKWARD_INPUT if schedule in ("zb_h1", "zbv") else Kind.BACKWARD
                 assert actions.index(Action(a.stage, backward, a.microbatch)) > i
 
 

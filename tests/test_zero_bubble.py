@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (each backward split into its input half I and weight half W) against
+"""Zero-bubble schedules, ZB-H1 and ZBV (each backward split into its input half I and weight half W), against
 the single-process reference: every loss within 1e-5 in float32, every loss and weight within
 1e-5 in float64 (AdamW), on a chain, a model with a skip edge and one with tied weights; the
 plan's predicted memory against what each worker counted."""
@@ -22,13 +22,13 @@ def _float64(make):
 
 def _memory_matches(job, exact_last: bool) -> None:
     """Predicted peak equals counted, rank by rank. A mean-squared-error loss is the exception on
-    the last rank: torch's kernel returns the loss scalar in the storage of its elementwise
-    buffer (256 bytes for an 8x4 float64 batch, 8 on fake tensors), which each stashed
-    microbatch holds until its backward; there the two agree within 1%."""
-    ranks = job.plan.predicted_memory
-    for rank, predicted in ranks.items():
+    the rank of the last stage: torch's kernel returns the loss scalar in the storage of its
+    elementwise buffer (256 bytes for an 8x4 float64 batch, 8 on fake tensors), which each
+    stashed microbatch holds until its backward; there the two agree within 1%."""
+    last = job.plan.report["stages"][-1]["rank"]
+    for rank, predicted in job.plan.predicted_memory.items():
         measured = job.last.memory[rank]["peak"]["total"]
-        if exact_last or rank != max(ranks):
+        if exact_last or rank != last:
             assert predicted["total"] == measured, f"rank {rank}: predicted {predicted}, measured {measured}"
         else:
             assert abs(predicted["total"] - measured) <= 0.01 * measured, f"rank {rank}"
@@ -36,23 +36,25 @@ def _memory_matches(job, exact_last: bool) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("make", MODELS, ids=[m.__name__ for m in MODELS])
-def test_zb_h1_matches_single_process(client4, make):
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_zero_bubble_matches_single_process(client4, schedule, make):
+    """ZB-H1 on 4 workers (4 stages); ZBV on 4 workers with 2 chunks each in a V (8 stages: the
+    first and last share worker 0, the turn of the V is a local hand-off on worker 3)."""
+    settings = {"stages": 4, "microbatches": 4, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1}
     model, batches, loss_fn = make()
-    job, losses, _ = run_pipeline(
-        client4, model, batches, loss_fn, stages=4, microbatches=4, schedule="zb_h1", optimizer="adamw",
-        optimizer_args=ADAMW,
-    )  # fmt: skip
+    job, losses, _ = run_pipeline(client4, model, batches, loss_fn, optimizer="adamw", optimizer_args=ADAMW, **settings)
     ref_losses, _ = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
     assert_losses_match(losses, ref_losses)
-    last = job.plan.actions[3]
-    assert "3I0" in last and "3W0" in last and "3B0" not in last
+    assert "0I0" in job.plan.actions[0] and "0W0" in job.plan.actions[0] and "0B0" not in job.plan.actions[0]
+    if schedule == "zbv":
+        assert [s["rank"] for s in job.plan.report["stages"]] == [0, 1, 2, 3, 3, 2, 1, 0]
+        assert any(e["transport"] == "local" for e in job.plan.report["edges"])
     _memory_matches(job, exact_last=make is models.tied_lm)
 
     model, batches, loss_fn = _float64(make)
     job, losses, state = run_pipeline(
-        client4, model, batches, loss_fn, stages=4, microbatches=4, schedule="zb_h1", optimizer="adamw",
-        optimizer_args=ADAMW,
-    )  # fmt: skip
+        client4, model, batches, loss_fn, optimizer="adamw", optimizer_args=ADAMW, **settings
+    )
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
     assert_matches_reference(losses, state, ref_losses, ref_state)
     _memory_matches(job, exact_last=make is models.tied_lm)

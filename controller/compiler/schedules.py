@@ -14,6 +14,11 @@ torch.distributed.pipelining executes for the same sizes (tests compare them):
   for: rank r runs P - r forwards, then F and I alternately, and starts its W's r steps late, so
   they fill the bubbles 1F1B leaves at the end of a step; memory stays 1F1B's. The order is
   torch.distributed.pipelining's ScheduleInterleavedZeroBubble at one stage per rank.
+- ZBV (Qi et al. 2024, section 6): two chunks per rank placed in a V (rank r holds stage r and
+  stage 2P - 1 - r, so the first and last stages share rank 0 and the turn of the V is a local
+  hand-off on rank P - 1), with split backwards; each rank warms up on its down chunk, then runs
+  F, I, W of its two chunks in turn. At equal F, I and W costs it has no bubble. The order is
+  torch's ScheduleZBVZeroBubble.
 """
 
 from __future__ import annotations
@@ -97,11 +102,59 @@ def zb_h1(topo: Topology) -> Schedule:
     return order
 
 
+def zbv(topo: Topology) -> Schedule:
+    return {r: _zbv_rank(topo, r) for r in range(topo.ranks)}
+
+
+def _zbv_rank(topo: Topology, r: int) -> list[Action]:
+    P, M = topo.ranks, topo.microbatches
+    # the steady phase is written for at least 2P - 1 microbatches; the ones past M are dropped
+    n = max(2 * P - 1, M)
+    down, up = topo.stages_of(r)
+    ops: list[Action] = []
+    count = {(down, "F"): 0, (up, "F"): 0, (down, "I"): 0, (up, "I"): 0, (down, "W"): 0, (up, "W"): 0}
+
+    def emit(stage: int, kind: str) -> None:
+        ops.append({"F": F, "I": I, "W": W}[kind](stage, count[(stage, kind)]))
+        count[(stage, kind)] += 1
+
+    def backward(stage: int) -> None:
+        emit(stage, "I")
+        emit(stage, "W")
+
+    for _ in range(2 * (P - r) - 1):  # down the V as far as the microbatches reach
+        emit(down, "F")
+    for _ in range(r):
+        emit(up, "F")
+        emit(down, "F")
+    for _ in range(P - r):  # the first microbatches come back up: their backwards start
+        emit(up, "F")
+        backward(up)
+    while count[(up, "F")] < count[(down, "F")] or count[(down, "F")] < n:
+        if count[(down, "F")] < n:
+            emit(down, "F")
+        backward(down)
+        emit(up, "F")
+        backward(up)
+    for _ in range(r):  # cool-down: input halves first, the weight halves fill what is left
+        emit(down, "I")
+        emit(up, "I")
+    for _ in range(P - r):
+        emit(down, "I")
+        emit(down, "W")
+    while count[(up, "W")] < count[(up, "I")]:
+        emit(up, "W")
+    while count[(down, "W")] < count[(down, "I")]:
+        emit(down, "W")
+    return [a for a in ops if a.microbatch < M]
+
+
 BUILDERS: dict[str, Callable[[Topology], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
+    "zbv": zbv,
 }
 
 

@@ -114,8 +114,9 @@ def backward_input(
         for hook in hooks:
             hook.remove()
     _accumulate(wanted, grads)
-    for t in roots:  # the graph above the frontier is no longer needed: let it go
-        t.detach_()
+    # The outputs keep the graph above the frontier alive until W (torch detaches them in place
+    # here, which breaks a weight half that reads an output saved by its own op, as tanh saves its
+    # result); the plan counts a microbatch's whole stash as held until W.
     return WeightHalf([(node, kept.get(node, [])) for node in order], [], None)
 
 
