@@ -1,11 +1,19 @@
 """Benchmark: atoll pipelines vs torch.distributed.pipelining, side by side in one run.
 
-    python bench/pipeline.py                      # GPipe, 1F1B, interleaved 1F1B on CPU/gloo
+    python bench/pipeline.py                      # every schedule both sides have, on CPU/gloo
     python bench/pipeline.py --schedules gpipe --steps 20
+    python bench/pipeline.py --model mlp --ranks 2 --batch 256   # the MLP job at 2 stages
     python bench/pipeline.py --device cuda        # 4 workers on one GPU vs one process on it
 
-On CPU, both sides train the same GPT-style model (examples/gpt.py) from the same initial weights, with
-the same stage boundaries (atoll's cost-balanced partition, reused for torch), the same
+Schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV, each run by atoll and by torch's own
+class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per rank). ``best``
+compares each side's fastest schedule, as a user picking one would. On CPU each row also gives
+the physical limit: the busiest rank's forward and backward work per microbatch (measured in this
+process on one thread) times the microbatches, as steps per second, and atoll's share of it.
+
+On CPU, both sides train the same GPT-style model (examples/gpt.py), or with ``--model mlp`` an MLP
+(8 x Linear(1024, 1024) + GELU, then a head), from the same initial weights, with the same stage
+boundaries (whole blocks, as many to each stage where they divide evenly), the same
 microbatches, the same number of processes (one per pipeline rank, gloo between them) and the
 same intra-op threads per process.
 
@@ -32,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import socket
 import sys
 import time
@@ -49,10 +58,40 @@ from dispatch import _cpu_seconds, process_pids  # noqa: E402
 import atoll  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zb_h1": "ScheduleInterleavedZeroBubble",  # its ZB1P, at one stage per rank
+    "zbv": "ScheduleZBVZeroBubble",
+}
+MULTI_STAGE = {"interleaved_1f1b", "zb_h1", "zbv"}
+"""torch's schedules that take a list of stages (one for ZB-H1)."""
+MLP_WIDTH, MLP_BLOCKS, MLP_OUT = 1024, 8, 16
+
+
+def virtual_stages(args, schedule: str) -> int:
+    return {"interleaved_1f1b": args.virtual_stages, "zbv": 2}.get(schedule, 1)
+
+
+def stage_ids(rank: int, world: int, schedule: str, virtual: int) -> list[int]:
+    """The stages a rank holds: interleaved (rank + k * world), or a V for ZBV."""
+    if schedule == "zbv":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + k * world for k in range(virtual)]
+
+
+def mlp_loss(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def loss_of(args):
+    return mlp_loss if getattr(args, "model", "gpt") == "mlp" else lm_loss
 
 
 def make_setup(args):
+    if getattr(args, "model", "gpt") == "mlp":
+        return make_mlp(args)
     torch.manual_seed(0)
     corpus = CharCorpus()
     cfg = GPTConfig(
@@ -68,6 +107,60 @@ def make_setup(args):
     return model, batches
 
 
+def make_mlp(args):
+    """The MLP job: 8 blocks of Linear(1024, 1024) + GELU, the last with a head to 16 outputs
+    (mean squared error against random targets); 16 batches of ``args.batch`` rows."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.GELU()) for _ in range(MLP_BLOCKS)]
+    blocks[-1].append(torch.nn.Linear(MLP_WIDTH, MLP_OUT))
+    model = torch.nn.Sequential(*blocks).to(getattr(torch, args.dtype))
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(args.batch, MLP_WIDTH, generator=g), torch.randn(args.batch, MLP_OUT, generator=g))
+        for _ in range(16)
+    ]
+    return model, [(x.to(model[0][0].weight.dtype), y.to(model[0][0].weight.dtype)) for x, y in batches]
+
+
+def even_split_points(model, chunks: int) -> list[str] | None:
+    """Cuts between whole blocks, the same number in each chunk, so torch's stages can be built
+    from the same blocks; None (atoll's cost-balanced split) when the chunks do not divide them."""
+    blocks = len(list(model.children()))
+    if blocks % chunks:
+        return None
+    per = blocks // chunks
+    return [str(i) for i in range(per, blocks, per)]
+
+
+def stage_costs(model, batches, args, stage_blocks) -> list[float]:
+    """Seconds of one microbatch's forward plus backward on each stage, measured in this process
+    on one thread (median of 5): the work no schedule can remove."""
+    blocks = list(model.children())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        x, y = batches[0]
+        h = x.chunk(args.microbatches)[0]
+        target = y.chunk(args.microbatches)[0]
+        costs = []
+        for s, ids in enumerate(stage_blocks):
+            stage = torch.nn.Sequential(*[blocks[i] for i in ids])
+            last = s == len(stage_blocks) - 1
+            runs = []
+            for _ in range(6):
+                inp = h.detach().requires_grad_(h.is_floating_point())
+                start = time.perf_counter()
+                out = stage(inp)
+                (loss_of(args)(out, target) if last else out.float().pow(2).sum()).backward()
+                runs.append(time.perf_counter() - start)
+            costs.append(median(runs[1:]))
+            h = out.detach()
+        model.zero_grad(set_to_none=True)
+        return costs
+    finally:
+        torch.set_num_threads(threads)
+
+
 class AtollSide:
     def __init__(self, client, model, batches, args, schedule: str, virtual: int):
         x, y = batches[0]
@@ -75,7 +168,7 @@ class AtollSide:
             model,
             example_input=x,
             example_target=y,
-            loss_fn=lm_loss,
+            loss_fn=loss_of(args),
             stages=args.ranks,
             microbatches=args.microbatches,
             schedule=schedule,
@@ -83,6 +176,7 @@ class AtollSide:
             optimizer="sgd",
             optimizer_args={"lr": 0.01},
             device=args.device,
+            split_points=even_split_points(model, args.ranks * virtual),
         )
         self.batches, self.args, self.next = batches, args, 0
         self.stage_blocks = [[int(b) for b in s["modules"]] for s in self.job.plan.report["stages"]]
@@ -120,17 +214,17 @@ def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, re
     model, batches = make_setup(args)
     blocks = list(model.children())
     num_stages = world * virtual
-    stage_ids = [rank + k * world for k in range(virtual)]
+    mine = stage_ids(rank, world, schedule, virtual)
     stages = [
         pipelining.PipelineStage(
             torch.nn.Sequential(*[blocks[i] for i in stage_blocks[s]]), s, num_stages, torch.device("cpu")
         )
-        for s in stage_ids
+        for s in mine
     ]
     opt = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=0.01)
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-    sched = cls(stages if schedule == "interleaved_1f1b" else stages[0], args.microbatches, loss_fn=lm_loss)
-    holds_first, holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
+    sched = cls(stages if schedule in MULTI_STAGE else stages[0], args.microbatches, loss_fn=loss_of(args))
+    holds_first, holds_last = 0 in mine, num_stages - 1 in mine
     step_index = 0
 
     def step():
@@ -178,12 +272,27 @@ class TorchSide:
         for p in self.procs:
             p.start()
         for _ in self.procs:  # started, imported and warmed up before any round is timed
-            assert self.results.get(timeout=600) == "ready"
+            assert self._result(600) == "ready"
+
+    def _result(self, timeout_s: float):
+        """The next result, or an error as soon as a rank has died (not the whole deadline)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return self.results.get(timeout=1)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    codes = [self.procs[r].exitcode for r in dead]
+                    for p in self.procs:  # the others may wait on the dead one in a collective
+                        p.kill()
+                    raise RuntimeError(f"torch rank(s) {dead} exited with {codes}") from None
+        raise TimeoutError(f"no result from the torch ranks in {timeout_s:g}s")
 
     def run(self, steps: int) -> tuple[float, float]:
         for q in self.go:
             q.put(steps)
-        return self.results.get(timeout=600)
+        return self._result(600)
 
     def close(self) -> None:
         for q in self.go:
@@ -256,7 +365,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     """atoll and its peer in alternating rounds: torch.distributed.pipelining on CPU, the same
     model in one process on the GPU. On CPU, the CPU each side's processes spent per step in
     the rounds of ``job.step`` (atoll: ``atoll_pids``) and of the peer is reported too."""
-    virtual = args.virtual_stages if schedule == "interleaved_1f1b" else 1
+    virtual = virtual_stages(args, schedule)
     atoll = AtollSide(client, model, batches, args, schedule, virtual)
     if args.device == "cuda":
         peer, name, steps_key = SingleGpuSide(model, batches, args), "single_gpu", "single_gpu_steps_per_s"
@@ -305,6 +414,12 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     if args.device == "cpu":
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
+        # the physical limit: the busiest rank's forward and backward work, one microbatch after
+        # another with no bubble (it holds when every rank has a core of its own)
+        costs = stage_costs(model, batches, args, atoll.stage_blocks)
+        busiest = max(sum(costs[s] for s in stage_ids(r, args.ranks, schedule, virtual)) for r in range(args.ranks))
+        row["physical_limit_steps_per_s"] = round(1 / (busiest * args.microbatches), 3)
+        row["atoll_share_of_limit"] = round(row["atoll_steps_per_s"] / row["physical_limit_steps_per_s"], 3)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
@@ -312,7 +427,8 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv")
+    parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="mlp: 8 x Linear(1024, 1024) + GELU")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
     parser.add_argument("--microbatches", type=int, default=8)
@@ -340,6 +456,19 @@ def main() -> None:
     ):
         for schedule in args.schedules.split(","):
             rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
+    best = {}
+    if args.device == "cpu":  # each side's fastest schedule, as a user would pick it
+        ours = max(rows, key=lambda r: r["atoll_steps_per_s"])
+        theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
+        best = {
+            "atoll": {"schedule": ours["schedule"], "steps_per_s": ours["atoll_steps_per_s"]},
+            "torch": {"schedule": theirs["schedule"], "steps_per_s": theirs["torch_pipelining_steps_per_s"]},
+            "ratio_atoll_over_torch": round(ours["atoll_steps_per_s"] / theirs["torch_pipelining_steps_per_s"], 3),
+        }
+    if args.model == "mlp":
+        described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
+    else:
+        described = f"gpt layers={args.layers} d_model={args.d_model}"
     print(
         json.dumps(
             {
@@ -351,8 +480,7 @@ def main() -> None:
                 "ranks": args.ranks,
                 "microbatches": args.microbatches,
                 "batch": args.batch,
-                "model": f"gpt layers={args.layers} "
-                f"d_model={args.d_model} params={sum(p.numel() for p in model.parameters())}",
+                "model": f"{described} params={sum(p.numel() for p in model.parameters())}",
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,
                 "warmup_steps": args.warmup,
@@ -361,6 +489,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "python": platform.python_version(),
                 "rows": rows,
+                "best": best,
             },
             indent=2,
         )

@@ -19,7 +19,7 @@ predicted as the worker counts them.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -67,17 +67,49 @@ def _above(start: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) 
 
 
 @dataclass(eq=False)
+class Group:
+    """Weights whose paths meet the inputs' at the same frontier nodes, and those nodes' kept
+    gradients: the weight half runs autograd once per group, to its weights alone, so it never
+    walks back down the inputs' path to reach another group's weights."""
+
+    weights: list[Node]
+    frontier: list[Node]
+    kept: dict[Node, list] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
 class WeightHalf:
-    """What the weight half of one microbatch's backward needs: the frontier's kept gradients, or
+    """What the weight half of one microbatch's backward needs: the groups' kept gradients, or
     (the fallback) the outputs and their gradients with the whole graph kept."""
 
-    frontier: list[tuple[Node, list[torch.Tensor | None]]] | None
+    groups: list[Group] | None
     roots: list[torch.Tensor]
     root_grads: list[torch.Tensor] | None
 
     def kept(self) -> list[torch.Tensor]:
         """The gradients held for the weight half (counted as a stage's held bytes)."""
-        return [g for _, grads in self.frontier or () for g in grads if g is not None]
+        return [g for group in self.groups or () for grads in group.kept.values() for g in grads if g is not None]
+
+
+def _groups(weight_nodes: list[Node], parents, towards_inputs: set[Node], tops: set[Node]) -> list[Group] | None:
+    """The weights grouped by the frontier nodes they meet; None where some weight's path reaches
+    an output without meeting the inputs' paths (gradient the frontier would not see)."""
+    groups: list[Group] = []
+    owner: dict[Node, Group] = {}
+    for node in weight_nodes:
+        reached, met = _above([node], parents, towards_inputs)
+        if reached & tops or not met:
+            return None
+        joined = {id(owner[n]): owner[n] for n in met if n in owner}
+        group = Group([node], list(met))
+        for other in joined.values():  # shared frontier nodes: one group
+            groups.remove(other)
+            group.weights += other.weights
+            group.frontier += [n for n in other.frontier if n not in group.frontier]
+        groups.append(group)
+        for n in group.frontier:
+            owner[n] = group
+    return groups
 
 
 def backward_input(
@@ -88,26 +120,16 @@ def backward_input(
     wanted = [t for t in inputs if t.requires_grad]
     root_nodes = [n for n in map(_node, roots) if n is not None]
     parents = _parents(root_nodes)
-    weight_nodes = [n for n in (_node(w) for w in weights) if n is not None and n in parents]
+    weight_nodes = list(dict.fromkeys(n for n in (_node(w) for w in weights) if n is not None and n in parents))
     input_nodes = [n for n in map(_node, wanted) if n is not None]
     towards_inputs, _ = _above(input_nodes, parents, set())
-    frontier: set[Node] = set()
-    covered = True
-    tops = set(root_nodes) - towards_inputs
-    for node in weight_nodes:
-        # every way up from a weight must meet the inputs' paths: one that reaches an output
-        # without meeting them carries gradient the frontier would not see
-        reached, met = _above([node], parents, towards_inputs)
-        covered &= not (reached & tops)
-        frontier |= met
-    if not wanted or not covered:  # the fallback: the weight half runs the whole backward
+    groups = _groups(weight_nodes, parents, towards_inputs, set(root_nodes) - towards_inputs) if wanted else None
+    if groups is None:  # the fallback: the weight half runs the whole backward
         if wanted:
             grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
             _accumulate(wanted, grads)
         return WeightHalf(None, roots, root_grads)
-    order = list(frontier)
-    kept: dict[Node, list] = {}
-    hooks = [node.register_prehook(_keeper(kept, node)) for node in order]
+    hooks = [node.register_prehook(_keeper(group.kept, node)) for group in groups for node in group.frontier]
     try:
         grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
     finally:
@@ -117,7 +139,7 @@ def backward_input(
     # The outputs keep the graph above the frontier alive until W (torch detaches them in place
     # here, which breaks a weight half that reads an output saved by its own op, as tanh saves its
     # result); the plan counts a microbatch's whole stash as held until W.
-    return WeightHalf([(node, kept.get(node, [])) for node in order], [], None)
+    return WeightHalf(groups, [], None)
 
 
 def held_bytes(half: WeightHalf, root_grads: list[torch.Tensor] | None, exclude: set[int]) -> int:
@@ -135,35 +157,43 @@ def _keeper(kept: dict, node: Node):
 
 
 def _accumulate(tensors: list[torch.Tensor], grads) -> None:
+    """Into ``.grad``, as autograd accumulates: the first taken in the tensor's own layout (a
+    weight's gradient comes out of its transpose's backward transposed), later ones added in place."""
     for t, g in zip(tensors, grads):
-        if g is not None:
-            t.grad = g if t.grad is None else t.grad + g
+        if g is None:
+            continue
+        if t.grad is None:
+            t.grad = g if g.stride() == t.stride() else g.clone(memory_format=torch.contiguous_format)
+        else:
+            t.grad.add_(g)
 
 
 def backward_weight(half: WeightHalf, weights: list[torch.Tensor]) -> None:
     """Accumulate the weights' gradients (into ``.grad``) from what ``backward_input`` kept."""
     weights = [w for w in weights if w.requires_grad]
-    if half.frontier is None:
+    if half.groups is None:
         if half.roots:
             torch.autograd.backward(half.roots, half.root_grads, inputs=weights)
         return
-    edges, grads = [], []
-    for node, kept in half.frontier:
-        for i, g in enumerate(kept):
-            if g is not None:
-                edges.append(GradientEdge(node, i))
-                grads.append(g)
-    if not edges:
-        return
-    # A frontier node below another would get the upper one's gradient on top of its own kept
-    # total: a pre-hook puts back exactly what it received in the input half.
-    hooks = [node.register_prehook(lambda _, kept=kept: tuple(kept)) for node, kept in half.frontier]
-    try:
-        by_node = {_node(w): w for w in weights}
-        reached = [n for n in by_node if n is not None]
-        found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in reached], grads, allow_unused=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    _accumulate([by_node[n] for n in reached], found)
-    half.frontier = None
+    by_node = {_node(w): w for w in weights}
+    for group in half.groups:
+        edges, grads = [], []
+        for node in group.frontier:
+            for i, g in enumerate(group.kept.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        # A frontier node below another of the group would get the upper one's gradient on top of
+        # its own kept total: a pre-hook puts back exactly what it received in the input half.
+        hooks = []
+        if len(group.frontier) > 1:
+            hooks = [n.register_prehook(lambda _, kept=tuple(group.kept.get(n, ())): kept) for n in group.frontier]
+        try:
+            found = torch.autograd.grad(edges, [GradientEdge(n, 0) for n in group.weights], grads, allow_unused=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        _accumulate([by_node[n] for n in group.weights], found)
+    half.groups = None
