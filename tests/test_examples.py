@@ -71,3 +71,5 @@ def test_atoll_plan_prints_the_plan_without_a_cluster():
     assert "colwise: " in sharded and "rowwise: " in sharded and "vocab_embedding: " in sharded
     rows = [line for line in sharded.splitlines() if line.startswith("  rank ") and "/" in line]
     assert len(rows) == 2 and all(int(row.split("/")[3]) > 0 for row in rows)  # the islands' all-reduces
+    auto = _plan("--schedule", "auto")  # no workers to calibrate on: the stages' FLOPs stand in
+    assert "auto (flops costs): 1f1b " in auto and "the shortest predicted step" in auto, auto

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll.controller.compiler import autoschedule
 from atoll.controller.compiler import communication as communication_plan
 from atoll.controller.compiler import memory as memory_plan
 from atoll.controller.compiler.checks import check_config
@@ -59,6 +60,8 @@ class CompileState:
 
     stage_params: dict[int, list] = field(default_factory=dict)
     """Per stage: its parameters (fake tensors), read by the memory and communication predictions."""
+    schedule_choice: autoschedule.Choice | None = None
+    """With schedule="auto": what was chosen, among which candidates, and why."""
 
     @property
     def infos(self) -> list[StageInfo]:
@@ -90,9 +93,11 @@ def validate(st: CompileState) -> None:
     """Reads the config; adds the topology (which checks the layout and schedule) and the analysis
     device, or refuses the job with the setting that cannot run."""
     cfg = st.config
-    same = ("virtual_stages", "microbatches", "schedule", "data_parallel", "tensor_parallel")
-    st.topology = Topology(ranks=cfg.stages, **{name: getattr(cfg, name) for name in same})
     check_config(cfg)
+    same = ("virtual_stages", "microbatches", "data_parallel", "tensor_parallel")
+    # "auto" is placed as its first candidate until choose_schedule has simulated them all
+    first = autoschedule.candidates(cfg)[0] if cfg.schedule == "auto" else cfg.schedule
+    st.topology = Topology(ranks=cfg.stages, schedule=first, **{name: getattr(cfg, name) for name in same})
     if not st.request.model:
         raise InvalidInput("the program has no model")
     st.device = analysis_device(cfg.device)
@@ -137,6 +142,18 @@ def analyze(st: CompileState) -> None:
     infos = st.infos
     _check_edges(st.dataflow, infos)
     st.loss = analyze_loss(st.loss_programs[0], infos[-1].output, st.microbatch_target)
+    st.routes = Routes(st.dataflow, st.topology.stage_ranks)
+    st.batch_ranks = frozenset(st.topology.rank_of(e.dst) for e in st.dataflow.edges if e.src == BATCH)
+
+
+def choose_schedule(st: CompileState) -> None:
+    """With schedule="auto": simulates every candidate at the job's costs and keeps the fastest
+    (controller/compiler/autoschedule.py), placing the dataflow as that schedule places it; adds
+    the choice, with every candidate's prediction, for the report."""
+    if st.config.schedule != "auto":
+        return
+    flops = [info.forward_flops for info in st.infos]
+    st.topology, st.schedule_choice = autoschedule.choose(st.topology, st.config, st.dataflow, flops)
     st.routes = Routes(st.dataflow, st.topology.stage_ranks)
     st.batch_ranks = frozenset(st.topology.rank_of(e.dst) for e in st.dataflow.edges if e.src == BATCH)
 
@@ -234,6 +251,7 @@ PASSES = (
     split,
     shard,
     analyze,
+    choose_schedule,
     measure_stages,
     schedule,
     simulate_plan,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from atoll.controller.compiler import autoschedule
 from atoll.controller.compiler import memory as memory_plan
 from atoll.controller.compiler.lowering import Lowered
 from atoll.controller.compiler.parallel.tensor import ShardedStage
@@ -96,6 +97,8 @@ class CompiledPipeline:
     memory: dict[int, memory_plan.RankMemory]
     communication: dict[int, dict[str, int]]
     """Per rank: the bytes one training step moves (controller/compiler/communication.py)."""
+    schedule_choice: autoschedule.Choice | None
+    """With schedule="auto": the candidates' predictions and why the chosen one won."""
     microbatch_input: EdgeSpec
     microbatch_target: EdgeSpec
     loss_programs: tuple[bytes, ...]
@@ -201,4 +204,5 @@ def build_report(c: CompiledPipeline, placement: dict[int, str]) -> PlanReport:
             for r, m in c.memory.items()
         },
         warnings=[w for s in c.stages if s.sharding is not None and (w := whole_warning(s.index, s.sharding))],
+        schedule_choice=None if c.schedule_choice is None else c.schedule_choice.to_dict(),
     )

@@ -67,6 +67,9 @@ class PlanReport:
     predicted_memory: dict[str, dict[str, int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     """What the user should know before training on this plan (the client warns with each)."""
+    schedule_choice: dict | None = None
+    """With schedule="auto": ``chosen``, ``candidates`` (each schedule's predicted step time and
+    bubble), ``costs`` ("measured" or "flops") and ``why``."""
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from atoll._rpc import atoll_pb2 as pb
@@ -128,9 +128,8 @@ def simulated_bubbles(timeline: Timeline) -> dict[int, float]:
     }
 
 
-def measured_costs(steps: Sequence[dict[int, list[pb.ActionSpan]]]) -> Callable[[Action], float]:
-    """Each action's mean measured duration (less the waits inside it) by stage and kind, over
-    ``steps``: durations for the simulator (controller/compiler/simulate.py)."""
+def mean_costs(steps: Sequence[dict[int, list[pb.ActionSpan]]]) -> dict[tuple[int, ActionSpec], float]:
+    """Each action's mean measured duration (less the waits inside it) by stage and kind, over ``steps``."""
     total: dict[tuple[int, ActionSpec], float] = defaultdict(float)
     count: dict[tuple[int, ActionSpec], int] = defaultdict(int)
     for spans_of in steps:
@@ -139,8 +138,7 @@ def measured_costs(steps: Sequence[dict[int, list[pb.ActionSpan]]]) -> Callable[
                 a = Action.parse(span.name)
                 total[a.stage, a.kind] += span.end_s - span.start_s - sum(w.end_s - w.start_s for w in waits)
                 count[a.stage, a.kind] += 1
-    mean = {key: total[key] / count[key] for key in total}
-    return lambda a: mean.get((a.stage, a.kind), 0.0)
+    return {key: total[key] / count[key] for key in total}
 
 
 def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[dict, dict]:
@@ -202,9 +200,10 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         trained[step] = start
     planned = simulated_bubbles(compiled.timeline)
     at_costs: dict[int, float] = {}
+    mean: dict[tuple[int, ActionSpec], float] = {}
     if trained:  # the plan's schedule, simulated with the costs its actions had in these steps
-        costs = measured_costs([by_step[step] for step in trained])
-        timeline = simulate(compiled.lowered.actions, topo, compiled.routes, costs)
+        mean = mean_costs([by_step[step] for step in trained])
+        timeline = simulate(compiled.lowered.actions, topo, compiled.routes, lambda a: mean.get((a.stage, a.kind), 0.0))
         at_costs = simulated_bubbles(timeline)
         for step, start in trained.items():
             _predicted_rows(timeline, start, origin, step, events)
@@ -232,6 +231,9 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         "oversubscribed": crowded,
         "note": oversubscription_note(crowded),
         "predicted_rows_for_steps": sorted(trained),
+        # seconds per compute action by stage and kind ("0F", "2B", "1I"): what schedule="auto" simulates with
+        "measured_costs": {f"{stage}{kind.code}": s for (stage, kind), s in mean.items() if kind.category == "compute"},
+        "predicted_step_s_at_measured_costs": timeline.makespan if trained else None,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"atoll": summary}}, summary
 

@@ -17,8 +17,8 @@ import time
 import traceback
 
 from atoll.cli.daemons import DAEMONS, interrupt_while_starting
-from atoll.cli.parser import SCHEDULES as SCHEDULES  # atoll.cli.commands.SCHEDULES, as it always was
 from atoll.cli.parser import build_parser, controller_address
+from atoll.core.names import SCHEDULES as SCHEDULES  # atoll.cli.commands.SCHEDULES, as it always was
 
 
 def _connect(args, kind=None, timeout_s: float = 120.0):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from atoll.core.names import SCHEDULES
+from atoll.core.names import SCHEDULE_CHOICES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 CONTROLLER_ENV = "ATOLL_CONTROLLER"
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_file", help="a Python file defining build() -> dict of pipeline() arguments")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (overrides build())")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per batch (overrides build())")
-    p.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule (overrides build())")
+    p.add_argument("--schedule", default=None, choices=SCHEDULE_CHOICES, help="pipeline schedule (overrides build())")
     p.add_argument("--virtual-stages", type=int, default=None, help="model chunks per rank (interleaved_1f1b)")
     p.add_argument("--data-parallel", type=int, default=None, help="replicas of the pipeline (workers = stages x N)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1], help="1: ZeRO-1 over the replicas")

@@ -45,6 +45,10 @@ class _PlanOnlyClient(Client):
     def _keep_alive(self) -> None:  # nothing to keep alive: no controller
         pass
 
+    def _schedule_costs(self, config, run_copy) -> dict[str, float]:
+        """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts."""
+        return {}
+
     def _call(self, method: str, request, timeout_s: float | None = None):
         assert method == "SubmitPipeline", method
         compiled = compile_pipeline(decode_program(request))

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from atoll._rpc import atoll_pb2 as pb
+from atoll.client import calibrate
 from atoll.client.connection import Connection, open_connection
 from atoll.client.export import export_pipeline
 from atoll.client.job import Job
@@ -67,6 +68,7 @@ class Client(Connection):
         auto_resume: bool = False,
         checkpoint_every: int = 100,
         checkpoint_path: str | os.PathLike = "",
+        schedule_costs: dict[str, float] | None = None,
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -78,8 +80,16 @@ class Client(Connection):
         ``nn.Sequential`` work). A value used by a later stage travels to it directly; a
         parameter used by several stages (tied weights) lives on each, its gradients summed.
         ``example_input``/``example_target`` are one full batch of the
-        shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b" or
-        "interleaved_1f1b" (with ``virtual_stages`` model chunks per worker).
+        shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b", "zb_h1" (1F1B
+        with each backward split into its input and weight halves, the weight halves filling the
+        bubbles: zero bubble, Qi et al.), "interleaved_1f1b" (with ``virtual_stages`` model chunks
+        per worker), "zbv" (``virtual_stages=2``, in a V, with split backwards) or "auto": a short
+        calibration (a few steps of throw-away copies on the example batch) measures each stage's
+        forward and backward on the workers, the compiler simulates every schedule that runs
+        ``virtual_stages`` chunks per worker at those costs and keeps the fastest; the plan's
+        ``schedule_choice`` lists each candidate's predicted step time and why the choice won.
+        ``schedule_costs`` (seconds by stage and kind, "0F", "0B", "0I", "0W", ...) skips the
+        calibration and simulates at those costs.
 
         ``device`` is the kind of worker the job runs on: "cpu", or "cuda" (workers started with
         ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
@@ -137,6 +147,7 @@ class Client(Connection):
             tensor_parallel_plan=dict(tensor_parallel_plan or {}),
             resume_from=os.fspath(resume_from),
             checkpoint_path=os.fspath(checkpoint_path),
+            schedule_costs=dict(schedule_costs or {}),
         )
         return self.compile(program, **settings)
 
@@ -179,21 +190,40 @@ class Client(Connection):
             if len(program.stage_names) > 1:
                 program.check_stages(microbatches * replicas)  # names the stage that fails, and what it reads
             raise
-        request = pb.PipelineProgram(
-            model_program=exported.model,
-            loss_program=exported.loss,
-            input=spec_to_pb(exported.input),
-            target=spec_to_pb(exported.target),
-            aliases=exported.aliases,
-            config=config.to_pb(),
-            session=self.session,
-        )
         self._keep_alive()
-        reply = self._call("SubmitPipeline", request, timeout_s=600.0)
-        plan = Plan(json.loads(reply.plan_json))
-        for warning in plan.report.get("warnings", ()):  # e.g. layers tensor parallelism left whole
+
+        def submit(config: JobConfig) -> Job:
+            request = pb.PipelineProgram(
+                model_program=exported.model,
+                loss_program=exported.loss,
+                input=spec_to_pb(exported.input),
+                target=spec_to_pb(exported.target),
+                aliases=exported.aliases,
+                config=config.to_pb(),
+                session=self.session,
+            )
+            reply = self._call("SubmitPipeline", request, timeout_s=600.0)
+            return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
+
+        def run_copy(config: JobConfig) -> dict[str, float]:  # a calibration copy (atoll.client.calibrate)
+            job = submit(config)
+            try:
+                for _ in range(calibrate.CALIBRATION_STEPS):
+                    job.step(example_input, example_target)
+                return job.timeline(last=calibrate.CALIBRATION_STEPS - 1).summary["measured_costs"]
+            finally:
+                job.close()
+
+        if config.schedule == "auto" and not config.schedule_costs:
+            config = dataclasses.replace(config, schedule_costs=self._schedule_costs(config, run_copy))
+        job = submit(config)
+        for warning in job.plan.report.get("warnings", ()):  # e.g. layers tensor parallelism left whole
             warnings.warn(warning, stacklevel=3)
-        return Job(self, reply.job_id, plan)
+        return job
+
+    def _schedule_costs(self, config: JobConfig, run_copy) -> dict[str, float]:
+        """schedule="auto": each stage's action costs, measured on calibration copies of the job."""
+        return calibrate.measured_costs(run_copy, config)
 
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""

@@ -52,6 +52,10 @@ class Plan:
             + (", rematerialized" if r["rematerialize"] else "")
             + (f"; {r['data_parallel']} data-parallel replicas" if r["data_parallel"] > 1 else "")
         ]
+        choice = r.get("schedule_choice")
+        if choice:  # schedule="auto": every candidate's prediction, and why this one
+            predicted = ", ".join(f"{c['schedule']} {c['predicted_step_s']:.4g}" for c in choice["candidates"])
+            lines.append(f"auto ({choice['costs']} costs): {predicted}; {choice['why']}")
         layout = r["layout"]
         lines.append(
             f"layout: pipeline {layout['pipeline']} x tensor {layout['tensor']} x data {layout['data']} "

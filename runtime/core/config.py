@@ -22,7 +22,8 @@ class JobConfig:
     microbatches: int
     """Microbatches per step."""
     schedule: str = "gpipe"
-    """"gpipe", "1f1b" or "interleaved_1f1b"."""
+    """One of atoll.core.names.SCHEDULES, or "auto" (the fastest the simulator predicts, see
+    ``schedule_costs``)."""
     virtual_stages: int = 1
     """Model chunks per rank (interleaved schedules)."""
     optimizer: str = "sgd"
@@ -86,6 +87,10 @@ class JobConfig:
     tensor_parallel_strict: bool = False
     """Refuse the job when a linear layer would stay whole on every rank of an island (one the
     plan does not name "replicate"); by default it stays whole and the plan warns."""
+    schedule_costs: dict = field(default_factory=dict)
+    """For ``schedule="auto"``: seconds each action takes, by stage and kind ("0F", "0B", "0I",
+    "0W", ...), as measured on the workers (``Client.pipeline`` calibrates them); the compiler
+    simulates every candidate schedule at these costs. Empty: the stages' FLOP counts stand in."""
 
     def to_pb(self) -> pb.JobConfig:
         return _fill(pb.JobConfig(), self)

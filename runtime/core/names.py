@@ -5,6 +5,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 """Pipeline schedules (controller/compiler/schedules.py builds one per name)."""
 SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zbv")
 """The schedules that split each backward into its input- and weight-gradient halves."""
+AUTO_CANDIDATES = {1: ("1f1b", "zb_h1", "gpipe"), 2: ("zbv", "interleaved_1f1b")}
+"""schedule="auto" picks among the schedules that run the job's ``virtual_stages`` chunks per
+worker; of two predicted equally fast, the one listed first (1F1B stashes fewer microbatches
+than GPipe)."""
+SCHEDULE_CHOICES = (*SCHEDULES, "auto")
+"""What a job's ``schedule`` setting takes."""
 DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
 DEVICE_KINDS = ("cpu", "cuda")
 TRANSPORTS = ("gloo", "cuda_ipc", "nccl")

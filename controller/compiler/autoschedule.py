@@ -1,0 +1,116 @@
+"""schedule="auto": every candidate schedule simulated at the job's costs, the fastest chosen.
+
+The candidates are the schedules that run the job's ``virtual_stages`` chunks per worker
+(atoll.core.names.AUTO_CANDIDATES), less those the job's other settings refuse (a split backward
+with rematerialization or tensor parallelism). Each is lowered on the job's dataflow and placed
+as it would run, then simulated (controller/compiler/simulate.py) with each action's cost:
+measured on the workers when the client calibrated (``JobConfig.schedule_costs``, seconds per
+stage and kind), else in units of the stages' forward FLOPs (a backward twice its forward, each
+half of a split one once). Transfers cost nothing in the simulation. The report lists each
+candidate's predicted step time and why the choice won.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from atoll.controller.compiler.lowering import lower
+from atoll.controller.compiler.schedules import build_schedule
+from atoll.controller.compiler.simulate import simulate
+from atoll.controller.compiler.topology import Topology
+from atoll.core.actions import Action, Kind
+from atoll.core.config import JobConfig
+from atoll.core.dataflow import Dataflow, Routes
+from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES
+from atoll.errors import InvalidInput
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    schedule: str
+    predicted_step_s: float
+    """The simulated step's makespan at the costs (in forward-FLOP units without measured costs)."""
+    predicted_bubble_fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    chosen: str
+    candidates: list[Candidate]
+    costs: str
+    """"measured" (the client's calibration) or "flops" (the stages' FLOP counts)."""
+    why: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def candidates(cfg: JobConfig) -> tuple[str, ...]:
+    """The schedules ``auto`` chooses among for this job; refuses a job with none."""
+    names = AUTO_CANDIDATES.get(cfg.virtual_stages)
+    if names is None:
+        known = ", ".join(map(str, AUTO_CANDIDATES))
+        raise InvalidInput(f'schedule "auto" runs {known} chunk(s) per worker, not virtual_stages={cfg.virtual_stages}')
+    if cfg.rematerialize or cfg.tensor_parallel > 1:  # refused with a split backward (checks.py)
+        names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
+    return names
+
+
+def durations(costs: dict, flops: list[int]):
+    """Each action's cost: the measured seconds of its stage and kind where given, else its stage's
+    forward FLOPs in units of the largest (a backward twice that, each half of a split one once).
+    A kind measured under one split of the backward stands in for the other: B = I + W, and
+    I = W = B / 2 where only B was measured."""
+    top = max(flops) or 1
+    unit = [f / top for f in flops]
+
+    def measured(stage: int, code: str) -> float | None:
+        value = costs.get(f"{stage}{code}")
+        return None if value is None else float(value)
+
+    def cost(a: Action) -> float:
+        if not a.is_compute:
+            return 0.0
+        s, code = a.stage, a.kind.code
+        if not costs:
+            return unit[s] * a.kind.cost
+        found = measured(s, code)
+        if found is not None:
+            return found
+        i, w, b = measured(s, "I"), measured(s, "W"), measured(s, "B")
+        if a.kind is Kind.BACKWARD and i is not None and w is not None:
+            return i + w
+        if a.kind in (Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT) and b is not None:
+            return b / 2
+        raise InvalidInput(f"schedule 'auto': no measured cost for {a} (schedule_costs has {sorted(costs)})")
+
+    return cost
+
+
+def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int]) -> tuple[Topology, Choice]:
+    """The topology of the fastest candidate, and the choice with every candidate's prediction."""
+    cost = durations(cfg.schedule_costs, flops)
+    rows = []
+    for name in candidates(cfg):
+        placed = dataclasses.replace(topo, schedule=name)
+        routes = Routes(dataflow, placed.stage_ranks)
+        timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
+        rows.append(Candidate(name, timeline.makespan, timeline.bubble_fraction))
+    best = min(rows, key=lambda c: c.predicted_step_s)
+    others = sorted((c for c in rows if c is not best), key=lambda c: c.predicted_step_s)
+    unit = "s" if cfg.schedule_costs else " forward-FLOP units"
+    step = f"{best.predicted_step_s:.4g}{unit} ({best.predicted_bubble_fraction:.1%} bubble)"
+    if not others:
+        why = f"{best.schedule}: the only candidate, {step}"
+    elif others[0].predicted_step_s <= best.predicted_step_s * (1 + 1e-9):
+        why = f"{best.schedule}: the shortest predicted step, {step}, tied with {others[0].schedule} and listed first"
+    else:
+        runner = others[0]
+        gain = runner.predicted_step_s / best.predicted_step_s - 1
+        why = (
+            f"{best.schedule}: the shortest predicted step, {step}, {gain:.1%} ahead of {runner.schedule} "
+            f"({runner.predicted_step_s:.4g}{unit})"
+        )
+    choice = Choice(best.schedule, rows, "measured" if cfg.schedule_costs else "flops", why)
+    return dataclasses.replace(topo, schedule=best.schedule), choice

@@ -1,0 +1,52 @@
+"""The short calibration behind schedule="auto": what each stage's actions cost on the real workers.
+
+The job is loaded once per calibration schedule (a full backward per microbatch, and a split one),
+as a throw-away copy beside the real job: it trains a few steps on the example batch, the workers'
+timelines give each stage's forward, backward and backward halves in seconds (less the waits on
+the data plane inside them), and the copy is closed. The real job starts from the model's own
+weights with those costs (``JobConfig.schedule_costs``), and the compiler simulates every
+candidate schedule at them (controller/compiler/autoschedule.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from atoll.core.config import JobConfig
+from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES
+
+CALIBRATION_STEPS = 3
+"""Steps each calibration copy trains; the first warms up and is not measured."""
+CALIBRATION_SCHEDULES = {1: ("1f1b", "zb_h1"), 2: ("interleaved_1f1b", "zbv")}
+"""Per chunk count: a schedule with whole backwards and one with split ones, so every kind is measured."""
+
+
+def calibration_configs(config: JobConfig) -> list[JobConfig]:
+    """The throw-away copies to measure: the job's own settings under each calibration schedule
+    (split-backward ones only where the job may use them), never saved or resumed."""
+    usable = AUTO_CANDIDATES.get(config.virtual_stages, ())
+    if config.rematerialize or config.tensor_parallel > 1:
+        usable = tuple(s for s in usable if s not in SPLIT_BACKWARD_SCHEDULES)
+    return [
+        dataclasses.replace(
+            config,
+            schedule=schedule,
+            name=f"{config.name} calibration ({schedule})",
+            detached=False,
+            auto_resume=False,
+            checkpoint_path="",
+        )
+        for schedule in CALIBRATION_SCHEDULES.get(config.virtual_stages, ())
+        if schedule in usable
+    ]
+
+
+def measured_costs(run_copy, config: JobConfig) -> dict[str, float]:
+    """Seconds per stage and action kind ("0F", "0B", "0I", "0W", ...), each the mean over the
+    calibration copies that ran it. ``run_copy(config)`` loads one copy, trains it
+    ``CALIBRATION_STEPS`` steps and returns its timeline summary's ``measured_costs``."""
+    seen: dict[str, list[float]] = {}
+    for copy in calibration_configs(config):
+        for key, seconds in run_copy(copy).items():
+            seen.setdefault(key, []).append(seconds)
+    return {key: sum(values) / len(values) for key, values in seen.items()}

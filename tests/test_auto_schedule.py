@@ -1,0 +1,89 @@
+"""schedule="auto": every candidate simulated at the job's costs, the fastest kept, the choice
+explained in the plan; on a cluster, the client calibrates the costs on the workers first."""
+
+import pytest
+
+from atoll.controller.compiler.autoschedule import candidates
+from atoll.core.config import JobConfig
+from tests import models
+from tests.reference import assert_losses_match, train_reference
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+
+
+def _compile(**config):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    return models.compile_locally(model, x, y, loss_fn, stages=2, microbatches=4, schedule="auto", **config)
+
+
+def _costs(f: float, i: float, w: float) -> dict[str, float]:
+    return {f"{s}{k}": v for s in (0, 1) for k, v in (("F", f), ("B", i + w), ("I", i), ("W", w))}
+
+
+def test_auto_keeps_the_fastest_candidate_and_says_why():
+    # equal halves: the weight halves fill 1F1B's bubbles, so ZB-H1 is predicted fastest
+    compiled = _compile(schedule_costs=_costs(1.0, 1.0, 1.0))
+    choice = compiled.schedule_choice
+    assert compiled.topology.schedule == choice.chosen == "zb_h1" and choice.costs == "measured"
+    steps = {c.schedule: c.predicted_step_s for c in choice.candidates}
+    assert set(steps) == {"gpipe", "1f1b", "zb_h1"}
+    assert steps["zb_h1"] == min(steps.values()) < steps["1f1b"]
+    assert choice.why.startswith("zb_h1: the shortest predicted step") and "ahead of 1f1b" in choice.why
+    report = compiled.report()
+    assert report["schedule"] == "zb_h1" and report["schedule_choice"]["chosen"] == "zb_h1"
+    assert any(a.endswith("W0") for a in report["actions"]["0"])  # the plan runs what was chosen
+
+
+def test_auto_follows_the_costs():
+    """A weight half that costs far more than its share of the backward (as an unsplit backward
+    would not) makes the split schedules slower: 1F1B wins."""
+    compiled = _compile(schedule_costs=_costs(1.0, 1.0, 6.0) | {"0B": 2.0, "1B": 2.0})
+    assert compiled.schedule_choice.chosen == "1f1b"
+
+
+def test_auto_without_measured_costs_uses_the_stages_flops():
+    choice = _compile().schedule_choice
+    assert choice.costs == "flops" and "forward-FLOP units" in choice.why
+    two_chunks = _compile(virtual_stages=2).schedule_choice
+    assert {c.schedule for c in two_chunks.candidates} == {"interleaved_1f1b", "zbv"}
+
+
+def test_auto_leaves_out_what_the_settings_refuse():
+    assert candidates(JobConfig(stages=2, microbatches=4, schedule="auto", rematerialize=True)) == ("1f1b", "gpipe")
+    assert _compile(rematerialize=True).topology.schedule in ("1f1b", "gpipe")
+
+
+@pytest.mark.cluster
+def test_auto_calibrates_on_the_workers_and_trains_as_one_process(client4):
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=4, schedule="auto",
+        optimizer="adamw", optimizer_args=ADAMW,
+    )  # fmt: skip
+    try:
+        choice = job.plan.report["schedule_choice"]
+        assert choice["costs"] == "measured" and job.plan.report["schedule"] == choice["chosen"]
+        assert all(c["predicted_step_s"] > 0 for c in choice["candidates"])
+        losses = [job.step(a, b) for a, b in batches]
+    finally:
+        job.close()
+    ref_losses, _ = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
+    assert_losses_match(losses, ref_losses)
+    assert not [j for j in client4.status(all=True).jobs if "calibration" in j.name]  # the copies are closed
+
+
+def test_calibration_measures_a_whole_and_a_split_backward():
+    """The copies the client loads: 1F1B (B) and ZB-H1 (I, W); only 1F1B where the split is
+    refused; for two chunks per worker, interleaved 1F1B and ZBV."""
+    from atoll.client.calibrate import calibration_configs
+
+    def schedules(**config):
+        return [c.schedule for c in calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", **config))]
+
+    assert schedules() == ["1f1b", "zb_h1"]
+    assert schedules(rematerialize=True) == ["1f1b"]
+    assert schedules(virtual_stages=2) == ["interleaved_1f1b", "zbv"]
+    copy = calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_resume=True))[0]
+    assert copy.name == "j calibration (1f1b)" and not copy.auto_resume and not copy.detached
