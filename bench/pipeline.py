@@ -7,7 +7,9 @@
 
 Schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV, each run by atoll and by torch's own
 class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per rank). ``best``
-compares each side's fastest schedule, as a user picking one would. On CPU each row also gives
+compares each side's fastest schedule, as a user picking one would. ``auto`` (atoll alone: torch
+has no such schedule) reports what ``schedule="auto"`` chose after calibrating, its predicted step
+time against the measured one, and the measured rate of each candidate the run also measured. On CPU each row also gives
 the physical limit: the busiest rank's forward and backward work per microbatch (measured in this
 process on one thread) times the microbatches, as steps per second, and atoll's share of it.
 
@@ -425,9 +427,35 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     return row
 
 
+def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
+    """atoll's schedule="auto" (one chunk per worker): what it chose, its predicted step time
+    against the measured one, and, for the candidates this run also measured, their rates."""
+    atoll = AtollSide(client, model, batches, args, "auto", 1)
+    try:
+        rates = [atoll.run(args.steps)[0] for _ in range(args.rounds)]
+        choice = atoll.job.plan.report["schedule_choice"]
+    finally:
+        atoll.close()
+    measured_step = 1 / median(rates)
+    predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
+    others = {r["schedule"]: r["atoll_steps_per_s"] for r in rows if r["schedule"] in predicted}
+    row = {
+        "chosen": choice["chosen"],
+        "why": choice["why"],
+        "predicted_step_s": round(predicted[choice["chosen"]], 5),
+        "measured_step_s": round(measured_step, 5),
+        "predicted_over_measured": round(predicted[choice["chosen"]] / measured_step, 3),
+        "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
+        "measured_steps_per_s_by_candidate": others,
+    }
+    if others:  # how far the chosen one measured from the fastest candidate measured in this run
+        row["chosen_vs_fastest_measured"] = round(others.get(choice["chosen"], median(rates)) / max(others.values()), 3)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv,auto")
     parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="mlp: 8 x Linear(1024, 1024) + GELU")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
@@ -454,10 +482,12 @@ def main() -> None:
         atoll.LocalCluster(workers=args.ranks, threads_per_worker=args.threads, devices=devices) as cluster,
         cluster.client() as client,
     ):
-        for schedule in args.schedules.split(","):
+        schedules = args.schedules.split(",")
+        for schedule in (s for s in schedules if s != "auto"):
             rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
+        auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None
     best = {}
-    if args.device == "cpu":  # each side's fastest schedule, as a user would pick it
+    if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
         ours = max(rows, key=lambda r: r["atoll_steps_per_s"])
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         best = {
@@ -490,6 +520,7 @@ def main() -> None:
                 "python": platform.python_version(),
                 "rows": rows,
                 "best": best,
+                "auto": auto,
             },
             indent=2,
         )

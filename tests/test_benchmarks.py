@@ -23,7 +23,7 @@ def test_cli_benchmark_runs(capsys):
 
 
 def test_pipeline_benchmark_runs_at_its_smallest_size():
-    args = ["--schedules", "gpipe,zbv", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
+    args = ["--schedules", "gpipe,zbv,auto", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
     args += ["--d-model", "16", "--heads", "2", "--block-size", "8", "--rounds", "1", "--steps", "1", "--warmup", "1"]
     out = subprocess.run(
         [sys.executable, "bench/pipeline.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
@@ -42,6 +42,10 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["physical_limit_steps_per_s"] > 0
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("gpipe", "zbv")
+    auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1 and gpipe, measured beside its prediction
+    assert set(auto["predicted_step_s_by_candidate"]) == {"1f1b", "zb_h1", "gpipe"}
+    assert auto["chosen"] in auto["predicted_step_s_by_candidate"] and auto["measured_step_s"] > 0
+    assert auto["measured_steps_per_s_by_candidate"] == {"gpipe": report["rows"][0]["atoll_steps_per_s"]}
 
 
 def test_dispatch_benchmarks_simulated_workers_register_load_and_step():

@@ -5,8 +5,9 @@ The candidates are the schedules that run the job's ``virtual_stages`` chunks pe
 with rematerialization or tensor parallelism). Each is lowered on the job's dataflow and placed
 as it would run, then simulated (controller/compiler/simulate.py) with each action's cost:
 measured on the workers when the client calibrated (``JobConfig.schedule_costs``, seconds per
-stage and kind), else in units of the stages' forward FLOPs (a backward twice its forward, each
-half of a split one once). Transfers cost nothing in the simulation. The report lists each
+stage and kind: computes, and the optimizer step and the posting of transfers as measured), else
+in units of the stages' forward FLOPs (a backward twice its forward, each half of a split one
+once). The time data spends on the wire is not simulated. The report lists each
 candidate's predicted step time and why the choice won.
 """
 
@@ -70,14 +71,14 @@ def durations(costs: dict, flops: list[int]):
         return None if value is None else float(value)
 
     def cost(a: Action) -> float:
-        if not a.is_compute:
-            return 0.0
         s, code = a.stage, a.kind.code
         if not costs:
-            return unit[s] * a.kind.cost
+            return unit[s] * a.kind.cost if a.is_compute else 0.0
         found = measured(s, code)
         if found is not None:
             return found
+        if not a.is_compute:  # a transfer posted, or a step not measured
+            return 0.0
         i, w, b = measured(s, "I"), measured(s, "W"), measured(s, "B")
         if a.kind is Kind.BACKWARD and i is not None and w is not None:
             return i + w

@@ -231,8 +231,8 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         "oversubscribed": crowded,
         "note": oversubscription_note(crowded),
         "predicted_rows_for_steps": sorted(trained),
-        # seconds per compute action by stage and kind ("0F", "2B", "1I"): what schedule="auto" simulates with
-        "measured_costs": {f"{stage}{kind.code}": s for (stage, kind), s in mean.items() if kind.category == "compute"},
+        # seconds per action by stage and kind ("0F", "2B", "1I", "0STEP"): what schedule="auto" simulates with
+        "measured_costs": {f"{stage}{kind.code}": s for (stage, kind), s in mean.items()},
         "predicted_step_s_at_measured_costs": timeline.makespan if trained else None,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"atoll": summary}}, summary
