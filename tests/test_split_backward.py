@@ -115,3 +115,11 @@ def test_kept_bytes_are_predicted_on_fake_tensors():
     with FakeTensorMode() as mode:
         fake = kept_bytes([mode.from_tensor(p) for p in model.parameters()])
     assert real == fake > 0
+
+
+def test_no_output_gradient_leaves_both_halves_nothing_to_do():
+    weight = nn.Parameter(torch.randn(3))
+    x = torch.randn(3, requires_grad=True)
+    half = backward_input([], [], [x], [weight])
+    backward_weight(half, [weight])
+    assert x.grad is None and weight.grad is None and half.kept() == []

@@ -4,7 +4,10 @@ gradients of the stage's inputs (what the previous stage waits for), later those
 The input half runs autograd from the stage's outputs to its inputs only. On the way it passes
 the nodes where a path to a weight leaves the path to the inputs (the *frontier*); a pre-hook on
 each keeps the gradient flowing into it. The weight half then runs autograd from those kept
-gradients to the weights, so no node runs twice: together the halves do one backward's work.
+gradients to the weights, one group of weights (those meeting the same frontier nodes) at a
+time, so it never walks back down the inputs' path. A frontier node runs in both halves, for its
+input-side and then its weight-side gradients; every other node once. On 4 blocks of
+Linear(1024, 1024) + GELU at 32 rows, one thread: I 4.9 ms + W 5.9 ms against 9.6 ms for B.
 torch.distributed.pipelining splits its backward the same way (its ``stage_backward_input``).
 
 Where the frontier does not reach every weight that gets a gradient (a first stage, whose
@@ -118,6 +121,8 @@ def backward_input(
     """Compute the gradients of ``inputs`` (into their ``.grad``) from ``roots`` (the stage's
     outputs with ``root_grads``, or its loss with None), keeping what ``backward_weight`` needs."""
     wanted = [t for t in inputs if t.requires_grad]
+    if not roots:  # no output carries a gradient (an integer-only edge): nothing to do in either half
+        return WeightHalf(None, [], None)
     root_nodes = [n for n in map(_node, roots) if n is not None]
     parents = _parents(root_nodes)
     weight_nodes = list(dict.fromkeys(n for n in (_node(w) for w in weights) if n is not None and n in parents))
