@@ -87,3 +87,16 @@ def test_calibration_measures_a_whole_and_a_split_backward():
     assert schedules(virtual_stages=2) == ["interleaved_1f1b", "zbv"]
     copy = calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_resume=True))[0]
     assert copy.name == "j calibration (1f1b)" and not copy.auto_resume and not copy.detached
+
+
+def test_the_measured_step_overhead_is_added_to_every_candidate():
+    from atoll.client.calibrate import costs_of
+
+    costs = costs_of({"measured_costs": _costs(1.0, 1.0, 1.0), "predicted_step_s_at_measured_costs": 13.0}, 15.5)
+    assert costs["step_overhead_s"] == 2.5  # the calibration step's wall time beyond its simulation
+    plain = {
+        c.schedule: c.predicted_step_s
+        for c in _compile(schedule_costs=_costs(1.0, 1.0, 1.0)).schedule_choice.candidates
+    }
+    loaded = {c.schedule: c.predicted_step_s for c in _compile(schedule_costs=costs).schedule_choice.candidates}
+    assert loaded == {name: step + 2.5 for name, step in plain.items()}

@@ -23,7 +23,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
-from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES
+from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES, STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
 
 
@@ -31,7 +31,8 @@ from atoll.errors import InvalidInput
 class Candidate:
     schedule: str
     predicted_step_s: float
-    """The simulated step's makespan at the costs (in forward-FLOP units without measured costs)."""
+    """The simulated step's makespan at the costs, plus the measured step overhead (in forward-FLOP
+    units without measured costs)."""
     predicted_bubble_fraction: float
 
 
@@ -92,12 +93,13 @@ def durations(costs: dict, flops: list[int]):
 def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int]) -> tuple[Topology, Choice]:
     """The topology of the fastest candidate, and the choice with every candidate's prediction."""
     cost = durations(cfg.schedule_costs, flops)
+    overhead = float(cfg.schedule_costs.get(STEP_OVERHEAD_COST, 0.0))
     rows = []
     for name in candidates(cfg):
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
         timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
-        rows.append(Candidate(name, timeline.makespan, timeline.bubble_fraction))
+        rows.append(Candidate(name, timeline.makespan + overhead, timeline.bubble_fraction))
     best = min(rows, key=lambda c: c.predicted_step_s)
     others = sorted((c for c in rows if c is not best), key=lambda c: c.predicted_step_s)
     unit = "s" if cfg.schedule_costs else " forward-FLOP units"

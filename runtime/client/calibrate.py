@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from atoll.core.config import JobConfig
-from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES
+from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES, STEP_OVERHEAD_COST
 
 CALIBRATION_STEPS = 3
 """Steps each calibration copy trains; the first warms up and is not measured."""
@@ -41,10 +41,18 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
     ]
 
 
+def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
+    """One calibration copy's costs from its timeline summary and its steps' mean wall time: each
+    action's seconds, and the step's time beyond what the simulation of its own schedule at those
+    seconds gives (the control path, which every schedule pays alike)."""
+    predicted = summary.get("predicted_step_s_at_measured_costs") or 0.0
+    return {**summary["measured_costs"], STEP_OVERHEAD_COST: max(0.0, wall_s - predicted)}
+
+
 def measured_costs(run_copy, config: JobConfig) -> dict[str, float]:
     """Seconds per stage and action kind ("0F", "0B", "0I", "0W", ...), each the mean over the
     calibration copies that ran it. ``run_copy(config)`` loads one copy, trains it
-    ``CALIBRATION_STEPS`` steps and returns its timeline summary's ``measured_costs``."""
+    ``CALIBRATION_STEPS`` steps and returns ``costs_of`` them."""
     seen: dict[str, list[float]] = {}
     for copy in calibration_configs(config):
         for key, seconds in run_copy(copy).items():

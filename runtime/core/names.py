@@ -9,6 +9,9 @@ AUTO_CANDIDATES = {1: ("1f1b", "zb_h1", "gpipe"), 2: ("zbv", "interleaved_1f1b")
 """schedule="auto" picks among the schedules that run the job's ``virtual_stages`` chunks per
 worker; of two predicted equally fast, the one listed first (1F1B stashes fewer microbatches
 than GPipe)."""
+STEP_OVERHEAD_COST = "step_overhead_s"
+"""In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
+simulated actions (the control path, measured at calibration), added to every candidate alike."""
 SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 """What a job's ``schedule`` setting takes."""
 DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
