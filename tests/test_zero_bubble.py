@@ -61,13 +61,14 @@ def test_zero_bubble_matches_single_process(client4, schedule, make):
 
 
 @pytest.mark.cluster
-def test_zb_h1_with_data_parallel_replicas_matches_single_process(client4):
-    """Two replicas of a 2-stage ZB-H1 pipeline: the weight halves end each stage's gradients,
-    which the replicas then average."""
+@pytest.mark.parametrize(("schedule", "zero"), [("zb_h1", 0), ("zbv", 1)])
+def test_zero_bubble_with_data_parallel_replicas_matches_single_process(client4, schedule, zero):
+    """Two replicas of a 2-rank pipeline: the weight halves end each stage's gradients, which the
+    replicas then average (ZeRO-1: reduce and step each replica's shard)."""
     model, batches, loss_fn = _float64(models.mlp)
     job, losses, state = run_pipeline(
-        client4, model, batches, loss_fn, stages=2, data_parallel=2, microbatches=2, schedule="zb_h1",
-        optimizer="adamw", optimizer_args=ADAMW,
+        client4, model, batches, loss_fn, stages=2, data_parallel=2, zero=zero, microbatches=2, schedule=schedule,
+        virtual_stages=2 if schedule == "zbv" else 1, optimizer="adamw", optimizer_args=ADAMW,
     )  # fmt: skip
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
     assert_matches_reference(losses, state, ref_losses, ref_state)
