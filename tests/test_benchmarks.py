@@ -42,6 +42,7 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["physical_limit_steps_per_s"] > 0
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("gpipe", "zbv")
+    assert report["best"]["atoll_async"]["schedule"] in ("gpipe", "zbv") and report["best"]["torch"]["steps_per_s"] > 0
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1 and gpipe, measured beside its prediction
     assert set(auto["predicted_step_s_by_candidate"]) == {"1f1b", "zb_h1", "gpipe"}
     assert auto["chosen"] in auto["predicted_step_s_by_candidate"] and auto["measured_step_s"] > 0
