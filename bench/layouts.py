@@ -47,7 +47,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline import TorchSide, make_setup, median  # noqa: E402
+from dispatch import process_pids  # noqa: E402
+from pipeline import CpuMeter, TorchSide, make_setup, median  # noqa: E402
 
 import atoll  # noqa: E402
 from examples.gpt import CharCorpus, lm_loss  # noqa: E402
@@ -227,10 +228,16 @@ def main() -> None:
             elif pipeline == 1 and not zero:
                 peer, peer_name = DdpSide(args), "DDP"
             ours, theirs = [], []
+            peer_pids = {f"rank{r}": p.pid for r, p in enumerate(peer.procs)} if peer else {}
+            cpu = CpuMeter(process_pids(cluster)), CpuMeter(peer_pids)
             for _ in range(args.rounds):
+                cpu[0].start()
                 ours.append(run(args.steps)[0])
+                cpu[0].stop()
                 if peer is not None:
+                    cpu[1].start()
                     theirs.append(peer.run(args.steps)[0])
+                    cpu[1].stop()
             moved = {w: m["data_plane_bytes"] for w, m in job.last.memory.items()}
             row = {
                 "model": name,
@@ -239,6 +246,8 @@ def main() -> None:
                 + (" sp" if sequence else ""),
                 "workers": workers,
                 "atoll_tokens_per_s": round(median(ours) * tokens),
+                # with more processes than cores, the rates follow the CPU each step costs
+                "atoll_cpu_ms_per_step": cpu[0].ms_per_step(args.rounds * args.steps)["total"],
                 "bytes_per_step": {
                     "sent_total": sum(m["sent"] for m in moved.values()),
                     "all_reduced_total": sum(m["all_reduced"] for m in moved.values()),
@@ -253,6 +262,7 @@ def main() -> None:
                 row["peer"] = peer_name
                 row["peer_tokens_per_s"] = round(median(theirs) * tokens)
                 row["ratio_atoll_over_peer"] = round(median(ours) / median(theirs), 2)
+                row["peer_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)["total"]
                 if peer_name == "DDP":
                     row["peer_all_reduced_total"] = params * args.workers
                 peer.close()
