@@ -3,8 +3,8 @@ explained in the plan; on a cluster, the client calibrates the costs on the work
 
 import pytest
 
-from atoll.controller.compiler.autoschedule import candidates
 from atoll.core.config import JobConfig
+from atoll.errors import InvalidInput
 from tests import models
 from tests.reference import assert_losses_match, train_reference
 
@@ -50,7 +50,10 @@ def test_auto_without_measured_costs_uses_the_stages_flops():
 
 
 def test_auto_leaves_out_what_the_settings_refuse():
-    assert candidates(JobConfig(stages=2, microbatches=4, schedule="auto", rematerialize=True)) == ("1f1b", "gpipe")
+    remat = JobConfig(stages=2, microbatches=4, schedule="auto", rematerialize=True)
+    assert remat.auto_candidates() == ("1f1b", "gpipe")
+    with pytest.raises(InvalidInput, match="not virtual_stages=3"):
+        JobConfig(stages=2, microbatches=4, schedule="auto", virtual_stages=3).auto_candidates()
     assert _compile(rematerialize=True).topology.schedule in ("1f1b", "gpipe")
 
 

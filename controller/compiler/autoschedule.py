@@ -1,8 +1,7 @@
 """schedule="auto": every candidate schedule simulated at the job's costs, the fastest chosen.
 
-The candidates are the schedules that run the job's ``virtual_stages`` chunks per worker
-(atoll.core.names.AUTO_CANDIDATES), less those the job's other settings refuse (a split backward
-with rematerialization or tensor parallelism). Each is lowered on the job's dataflow and placed
+The candidates are the schedules that run the job's ``virtual_stages`` chunks per worker, less
+those the job's other settings refuse (``JobConfig.auto_candidates``). Each is lowered on the job's dataflow and placed
 as it would run, then simulated (controller/compiler/simulate.py) with each action's cost:
 measured on the workers when the client calibrated (``JobConfig.schedule_costs``, seconds per
 stage and kind: computes, and the optimizer step and the posting of transfers as measured), else
@@ -23,7 +22,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
-from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES, STEP_OVERHEAD_COST
+from atoll.core.names import STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
 
 
@@ -46,17 +45,6 @@ class Choice:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def candidates(cfg: JobConfig) -> tuple[str, ...]:
-    """The schedules ``auto`` chooses among for this job; refuses a job with none."""
-    names = AUTO_CANDIDATES.get(cfg.virtual_stages)
-    if names is None:
-        known = ", ".join(map(str, AUTO_CANDIDATES))
-        raise InvalidInput(f'schedule "auto" runs {known} chunk(s) per worker, not virtual_stages={cfg.virtual_stages}')
-    if cfg.rematerialize or cfg.tensor_parallel > 1:  # refused with a split backward (checks.py)
-        names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
-    return names
 
 
 def durations(costs: dict, flops: list[int]):
@@ -95,7 +83,7 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
     cost = durations(cfg.schedule_costs, flops)
     overhead = float(cfg.schedule_costs.get(STEP_OVERHEAD_COST, 0.0))
     rows = []
-    for name in candidates(cfg):
+    for name in cfg.auto_candidates():
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
         timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)

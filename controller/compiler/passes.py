@@ -96,7 +96,7 @@ def validate(st: CompileState) -> None:
     check_config(cfg)
     same = ("virtual_stages", "microbatches", "data_parallel", "tensor_parallel")
     # "auto" is placed as its first candidate until choose_schedule has simulated them all
-    first = autoschedule.candidates(cfg)[0] if cfg.schedule == "auto" else cfg.schedule
+    first = cfg.auto_candidates()[0] if cfg.schedule == "auto" else cfg.schedule
     st.topology = Topology(ranks=cfg.stages, schedule=first, **{name: getattr(cfg, name) for name in same})
     if not st.request.model:
         raise InvalidInput("the program has no model")

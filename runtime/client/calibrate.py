@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from atoll.core.config import JobConfig
-from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES, STEP_OVERHEAD_COST
+from atoll.core.names import STEP_OVERHEAD_COST
 
 CALIBRATION_STEPS = 3
 """Steps each calibration copy trains; the first warms up and is not measured."""
@@ -24,9 +24,7 @@ CALIBRATION_SCHEDULES = {1: ("1f1b", "zb_h1"), 2: ("interleaved_1f1b", "zbv")}
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
     """The throw-away copies to measure: the job's own settings under each calibration schedule
     (split-backward ones only where the job may use them), never saved or resumed."""
-    usable = AUTO_CANDIDATES.get(config.virtual_stages, ())
-    if config.rematerialize or config.tensor_parallel > 1:
-        usable = tuple(s for s in usable if s not in SPLIT_BACKWARD_SCHEDULES)
+    usable = config.auto_candidates()
     return [
         dataclasses.replace(
             config,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from atoll._rpc import atoll_pb2 as pb
+from atoll.core.names import AUTO_CANDIDATES, SPLIT_BACKWARD_SCHEDULES
 from atoll.errors import InvalidInput
 
 
@@ -91,6 +92,20 @@ class JobConfig:
     """For ``schedule="auto"``: seconds each action takes, by stage and kind ("0F", "0B", "0I",
     "0W", ...), as measured on the workers (``Client.pipeline`` calibrates them); the compiler
     simulates every candidate schedule at these costs. Empty: the stages' FLOP counts stand in."""
+
+    def auto_candidates(self) -> tuple[str, ...]:
+        """The schedules ``schedule="auto"`` chooses among for this job: those that run
+        ``virtual_stages`` chunks per worker, less the split-backward ones where the job
+        rematerializes or shards its stages (refused there)."""
+        names = AUTO_CANDIDATES.get(self.virtual_stages)
+        if names is None:
+            known = ", ".join(map(str, AUTO_CANDIDATES))
+            raise InvalidInput(
+                f'schedule "auto" runs {known} chunk(s) per worker, not virtual_stages={self.virtual_stages}'
+            )
+        if self.rematerialize or self.tensor_parallel > 1:
+            names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
+        return names
 
     def to_pb(self) -> pb.JobConfig:
         return _fill(pb.JobConfig(), self)
