@@ -27,13 +27,8 @@ def check_config(cfg: JobConfig) -> None:
         raise InvalidInput(
             "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
         )
-    if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.rematerialize:
-        raise InvalidInput(f"schedule {cfg.schedule!r} splits the backward; with rematerialize it is not built yet")
-    if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and cfg.tensor_parallel > 1:
-        raise InvalidInput(
-            f"schedule {cfg.schedule!r} splits the backward; a tensor-parallel stage's backward "
-            "collectives would split with it (not built yet)"
-        )
+    if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and (why := cfg.split_backward_refused()):
+        raise InvalidInput(f"schedule {cfg.schedule!r} splits the backward; {why}")
     if cfg.auto_resume and not cfg.checkpoint_path:
         raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")
     if cfg.auto_resume and cfg.zero:

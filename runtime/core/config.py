@@ -95,17 +95,25 @@ class JobConfig:
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
-        ``virtual_stages`` chunks per worker, less the split-backward ones where the job
-        rematerializes or shards its stages (refused there)."""
+        ``virtual_stages`` chunks per worker, less the split-backward ones where the job's settings
+        refuse them (``split_backward_refused``)."""
         names = AUTO_CANDIDATES.get(self.virtual_stages)
         if names is None:
             known = ", ".join(map(str, AUTO_CANDIDATES))
             raise InvalidInput(
                 f'schedule "auto" runs {known} chunk(s) per worker, not virtual_stages={self.virtual_stages}'
             )
-        if self.rematerialize or self.tensor_parallel > 1:
+        if self.split_backward_refused():
             names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
         return names
+
+    def split_backward_refused(self) -> str:
+        """Why this job's settings cannot split a backward (a zero-bubble schedule), or ""."""
+        if self.rematerialize:
+            return "with rematerialize it is not built yet"
+        if self.tensor_parallel > 1:
+            return "a tensor-parallel stage's backward collectives would split with it (not built yet)"
+        return ""
 
     def to_pb(self) -> pb.JobConfig:
         return _fill(pb.JobConfig(), self)

@@ -4,7 +4,7 @@ The same counter runs on real tensors (the worker's measurement) and on fake ten
 compiler's prediction), so the two differ only where real execution differs from the plan.
 Stashed activations are the storages autograd saves for backward, found with saved-tensor
 hooks; parameters and receive buffers are excluded there and counted in their own category.
-A worker counts a stage's first run of each mode and shape and reuses that figure
+A worker counts a stage's first run in each mode and reuses that figure
 (atoll.worker.executor.compute._counted).
 """
 

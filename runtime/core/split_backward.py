@@ -75,7 +75,8 @@ class Group:
     gradients: the weight half runs autograd once per group, to its weights alone, so it never
     walks back down the inputs' path to reach another group's weights."""
 
-    weights: list[Node]
+    weights: dict[Node, torch.Tensor]
+    """Each weight's gradient accumulator, and the weight."""
     frontier: list[Node]
     kept: dict[Node, list] = field(default_factory=dict)
 
@@ -94,20 +95,22 @@ class WeightHalf:
         return [g for group in self.groups or () for grads in group.kept.values() for g in grads if g is not None]
 
 
-def _groups(weight_nodes: list[Node], parents, towards_inputs: set[Node], tops: set[Node]) -> list[Group] | None:
+def _groups(
+    weights: dict[Node, torch.Tensor], parents, towards_inputs: set[Node], tops: set[Node]
+) -> list[Group] | None:
     """The weights grouped by the frontier nodes they meet; None where some weight's path reaches
     an output without meeting the inputs' paths (gradient the frontier would not see)."""
     groups: list[Group] = []
     owner: dict[Node, Group] = {}
-    for node in weight_nodes:
+    for node, weight in weights.items():
         reached, met = _above([node], parents, towards_inputs)
         if reached & tops or not met:
             return None
         joined = {id(owner[n]): owner[n] for n in met if n in owner}
-        group = Group([node], list(met))
+        group = Group({node: weight}, list(met))
         for other in joined.values():  # shared frontier nodes: one group
             groups.remove(other)
-            group.weights += other.weights
+            group.weights |= other.weights
             group.frontier += [n for n in other.frontier if n not in group.frontier]
         groups.append(group)
         for n in group.frontier:
@@ -125,10 +128,10 @@ def backward_input(
         return WeightHalf(None, [], None)
     root_nodes = [n for n in map(_node, roots) if n is not None]
     parents = _parents(root_nodes)
-    weight_nodes = list(dict.fromkeys(n for n in (_node(w) for w in weights) if n is not None and n in parents))
+    by_node = {n: w for w in weights if (n := _node(w)) is not None and n in parents}
     input_nodes = [n for n in map(_node, wanted) if n is not None]
     towards_inputs, _ = _above(input_nodes, parents, set())
-    groups = _groups(weight_nodes, parents, towards_inputs, set(root_nodes) - towards_inputs) if wanted else None
+    groups = _groups(by_node, parents, towards_inputs, set(root_nodes) - towards_inputs) if wanted else None
     if groups is None:  # the fallback: the weight half runs the whole backward
         if wanted:
             grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
@@ -175,12 +178,10 @@ def _accumulate(tensors: list[torch.Tensor], grads) -> None:
 
 def backward_weight(half: WeightHalf, weights: list[torch.Tensor]) -> None:
     """Accumulate the weights' gradients (into ``.grad``) from what ``backward_input`` kept."""
-    weights = [w for w in weights if w.requires_grad]
     if half.groups is None:
         if half.roots:
-            torch.autograd.backward(half.roots, half.root_grads, inputs=weights)
+            torch.autograd.backward(half.roots, half.root_grads, inputs=[w for w in weights if w.requires_grad])
         return
-    by_node = {_node(w): w for w in weights}
     for group in half.groups:
         edges, grads = [], []
         for node in group.frontier:
@@ -200,5 +201,5 @@ def backward_weight(half: WeightHalf, weights: list[torch.Tensor]) -> None:
         finally:
             for hook in hooks:
                 hook.remove()
-        _accumulate([by_node[n] for n in group.weights], found)
+        _accumulate(list(group.weights.values()), found)
     half.groups = None
