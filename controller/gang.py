@@ -61,20 +61,23 @@ class Gang:
 
     PROBE_TIMEOUT_S: ClassVar[float] = 2.0
 
-    def dispatch(self, calls: list[Call], timeout_s: float, mode: str = "direct", common=None):
+    def dispatch(self, calls: list[Call], timeout_s: float, mode: str = "direct", common=None, lane: str = ""):
         """Give each call its worker's next gang position and send them all, without waiting:
         ``mode`` "direct", "relay" (a step through relaying workers; ``common`` is the request
-        shared by the ranks that have none of their own) or "sequential" (JobConfig.dispatch)."""
+        shared by the ranks that have none of their own) or "sequential" (JobConfig.dispatch).
+        ``lane``: the job's own order (``Job.lane``), which workers keep as they do (a plan's
+        LoadPlan always takes the workers' common order)."""
         with self.order.positions() as take:
             for call in calls:
-                call.gang_seq, call.gang_floor = take(call.worker.worker_id)
+                call.gang_lane = lane
+                call.gang_seq, call.gang_floor = take(call.worker.worker_id, lane)
             if mode == "direct":
                 pending = self.dispatcher.submit(calls, timeout_s)
             elif mode == "relay":
                 pending = self.dispatcher.relay(calls, common, timeout_s)
         if mode == "sequential":
             pending = self.dispatcher.sequential(calls, timeout_s)
-        pending.on_end(lambda call: self.order.ended(call.worker.worker_id, call.gang_seq))
+        pending.on_end(lambda call: self.order.ended(call.worker.worker_id, call.gang_seq, call.gang_lane))
         return pending
 
     def send_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str):
@@ -101,9 +104,11 @@ class Gang:
         """Dispatch ``calls`` (``steps`` of the job's steps) once the fair gate lets them go: fair
         between jobs sharing workers (controller/cluster/fairness.py), then in gang order. A
         dispatch that fails leaves the gate at once."""
-        self.gate.enter(job.job_id, job.worker_ids, job.weight, steps)
+        # a job in a lane of its own waits for no other job's steps: they run beside its own
+        shared = frozenset({f"lane {job.lane}"}) if job.lane else job.worker_ids
+        self.gate.enter(job.job_id, shared, job.weight, steps)
         try:
-            return self.dispatch(calls, self.step_timeout_s * steps, mode, common)
+            return self.dispatch(calls, self.step_timeout_s * steps, mode, common, job.lane)
         except BaseException:
             self.leave(job)
             raise

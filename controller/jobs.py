@@ -64,6 +64,8 @@ class Job:
     steps_at_load: int = 0
     """``steps`` when it was last loaded (0, or a checkpoint's step): a restarted controller adds
     the training steps its workers ran since."""
+    base: str = ""
+    """The id of the resident base job this job is attached to (controller/bases.py), or ""."""
     counted_up_to: int = 0
     """Steps numbered up to here were counted in ``steps`` before they ended here: a restarted
     controller counted them from its workers' reports (controller/recovery.py)."""
@@ -71,6 +73,15 @@ class Job:
 
     def __post_init__(self):
         self.worker_ids = frozenset(w.worker_id for w in self.workers)
+
+    @property
+    def lane(self) -> str:
+        """The job's own gang order on its workers ("" for their common one): a job attached to a
+        resident base (JobConfig.base) runs its steps beside the other attached jobs' steps, not
+        after them, so one's microbatches fill another's pipeline bubbles. Its steps stay in order
+        among themselves, the same on every worker; it shares no process group or buffer with
+        other jobs, so running beside them cannot deadlock."""
+        return self.job_id if self.compiled.request.config.base else ""
 
     def move_to(self, workers: list[WorkerRecord]) -> None:
         """Run on ``workers`` from now on (index = worker index, as at placement)."""
@@ -158,8 +169,8 @@ class GangScheduler:
     """
 
     def __init__(self):
-        self._next: dict[str, int] = {}
-        self._open: dict[str, set[int]] = {}  # per worker: positions handed out whose calls have not ended
+        self._next: dict[tuple[str, str], int] = {}  # per (worker, lane): the next position
+        self._open: dict[tuple[str, str], set[int]] = {}  # positions handed out whose calls have not ended
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -169,17 +180,18 @@ class GangScheduler:
         with self._lock:
             yield self._take
 
-    def _take(self, worker_id: str) -> tuple[int, int]:
-        seq = self._next.get(worker_id, 1)
-        self._next[worker_id] = seq + 1
-        open_ = self._open.setdefault(worker_id, set())
+    def _take(self, worker_id: str, lane: str = "") -> tuple[int, int]:
+        key = (worker_id, lane)
+        seq = self._next.get(key, 1)
+        self._next[key] = seq + 1
+        open_ = self._open.setdefault(key, set())
         open_.add(seq)
         return seq, min(open_)
 
-    def ended(self, worker_id: str, seq: int) -> None:
-        """The call holding ``seq`` has ended (answered, failed or timed out)."""
+    def ended(self, worker_id: str, seq: int, lane: str = "") -> None:
+        """The call holding ``seq`` (in ``lane``, see Job.lane) has ended (answered, failed or timed out)."""
         with self._lock:
-            self._open.get(worker_id, set()).discard(seq)
+            self._open.get((worker_id, lane), set()).discard(seq)
 
 
 class JobTable:

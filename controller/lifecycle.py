@@ -42,15 +42,20 @@ class Lifecycle:
     records: MemoryState
     """The state directory: a job's end and a worker's death are recorded there."""
 
-    def admit(self, compiled: CompiledPipeline, islands: tuple[str, ...], session: str) -> Job:
+    def admit(
+        self, compiled: CompiledPipeline, islands: tuple[str, ...], session: str, on: list[WorkerRecord] | None = None
+    ) -> Job:
         """Place a new job on workers, once the admission queue lets it (controller/cluster/admission.py),
-        and enter it in the table and in its workers' load."""
+        and enter it in the table and in its workers' load. ``on``: exactly these workers (a
+        resident base's, for a job attached to it), by worker index."""
         cfg, topo = compiled.request.config, compiled.topology
         ticket = Ticket(cfg.name, topo.workers, cfg.device, islands, cfg.exclusive)
+
+        def place() -> list[WorkerRecord]:
+            return list(on) if on is not None else self.place(topo.workers, cfg.device, islands, cfg.exclusive)
+
         with self.jobs.lock:  # placement and bookkeeping are one decision
-            workers = self.jobs.admission.admit(
-                ticket, lambda: self.place(topo.workers, cfg.device, islands, cfg.exclusive), cfg.admission_timeout_s
-            )
+            workers = self.jobs.admission.admit(ticket, place, cfg.admission_timeout_s)
             job_id = self.jobs.new_id()
             job = Job(job_id, cfg.name or job_id, compiled, workers, report={}, islands=islands, session=session)
             if job.session:

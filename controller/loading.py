@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from atoll._rpc import atoll_pb2 as pb
+from atoll.controller import bases
 from atoll.controller.cluster.dispatch import Call, DispatchError
 from atoll.controller.cluster.rendezvous import Rendezvous
 from atoll.controller.cluster.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
@@ -103,14 +104,24 @@ class Loader:
             return compile_pipeline(decode_program(request))
 
     def submit(self, request: pb.PipelineProgram) -> pb.SubmitReply:
+        base = None
+        if request.config.base:
+            base = bases.resident(self.lifecycle.jobs, request.config.base)
+            bases.cut_like(base, request)
+        elif request.config.base_name:
+            bases.refuse_duplicate(self.lifecycle.jobs, request.config.base_name)
         compiled = self.compile(request)
         cfg, topo = compiled.request.config, compiled.topology
+        if base is not None:
+            bases.check_fits(compiled, base)
         # islands name each pipeline rank's island, the same for every replica and island rank
         if len(cfg.islands) == topo.ranks:
             islands = tuple(cfg.islands[topo.coordinates(i)[1]] for i in range(topo.workers))
         else:
             islands = cfg.islands
-        job = self.lifecycle.admit(compiled, islands, session="" if cfg.detached else request.session)
+        session = "" if cfg.detached else request.session
+        job = self.lifecycle.admit(compiled, islands, session, on=base.workers if base is not None else None)
+        job.base = base.job_id if base is not None else ""
         row = JobRow(
             job_id=job.job_id,
             name=job.name,
@@ -161,6 +172,7 @@ class Loader:
         report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
         report["edges"], _, report["groups"] = chains[0, 0]
         report["name"] = job.name
+        report["base_name"], report["base"] = cfg.base_name, cfg.base
         if "restores" in job.report:  # an auto_resume job's history (controller/resume.py)
             report["restores"] = job.report["restores"]
         job.report = report
@@ -173,6 +185,7 @@ class Loader:
             d, r, tp = topo.coordinates(i)
             _, peers, groups = chains[d, tp]
             request = load_request(job.job_id, compiled, (d, r, tp), peers[r], groups, store)
+            request.base_job = job.base
             calls.append(Call(w, "LoadPlan", request))
         self.gang.dispatch(calls, self.load_timeout_s).replies()
         if resume_from:

@@ -33,7 +33,7 @@ class StateStore:
         replica0 = job.workers[: compiled.topology.ranks * compiled.topology.tensor_parallel]
         calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in replica0]
         with job.order:  # after every step the client has sent so far
-            pending = self.gang.dispatch(calls, self.step_timeout_s)
+            pending = self.gang.dispatch(calls, self.step_timeout_s, lane=job.lane)
         replies = pending.replies()
         pieces: dict[str, dict[int, pb.TensorData]] = {}  # name -> island rank -> tensor
         for i, reply in enumerate(replies):
@@ -94,7 +94,7 @@ class StateStore:
                 Call(w, "SaveState", pb.SaveStateRequest(job_id=job.job_id, directory=str(version), file=files[i]))
                 for i, w in replica0
             ]
-            pending = self.gang.dispatch(calls, self.step_timeout_s)
+            pending = self.gang.dispatch(calls, self.step_timeout_s, lane=job.lane)
         try:
             replies = pending.settle().replies()  # no worker still writing when a failed version goes
         except DispatchError:
@@ -126,6 +126,8 @@ class StateStore:
             )
         cuts = [c.to_pb(n) for n, c in job.compiled.cuts.items()]
         request = pb.LoadStateRequest(job_id=job.job_id, directory=str(version), cuts=cuts)
-        self.gang.dispatch([Call(w, "LoadState", request) for w in job.workers], self.load_timeout_s).replies()
+        self.gang.dispatch(
+            [Call(w, "LoadState", request) for w in job.workers], self.load_timeout_s, lane=job.lane
+        ).replies()
         job.steps = manifest["step"]  # the job's training steps go on counting from the checkpoint's
         return {"path": path, "version": version.name, "step": manifest["step"]}

@@ -70,6 +70,8 @@ class Reports:
                     steps_per_s=j.steps / max(now - j.loaded_at, 1e-9),
                     has_loss=j.last_loss is not None,
                     last_loss=j.last_loss or 0.0,
+                    base_name=j.compiled.request.config.base_name,
+                    base=j.compiled.request.config.base,
                 )
                 for j in jobs
             ],

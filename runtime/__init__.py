@@ -18,6 +18,8 @@ _EXPORTS = {
     "Job": "atoll.client.job",
     "StepFuture": "atoll.client.job",
     "StepResult": "atoll.client.job",
+    "AdapterJob": "atoll.client.lora",
+    "LoraConfig": "atoll.client.lora",
     "connect": "atoll.client.client",
     "LocalCluster": "atoll.client.local",
     "ClusterStatus": "atoll.client.plan",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from atoll.client.client import Client, connect
     from atoll.client.job import Job, StepFuture, StepResult
     from atoll.client.local import LocalCluster
+    from atoll.client.lora import AdapterJob, LoraConfig
     from atoll.client.plan import ClusterStatus, Plan
     from atoll.client.program import Program, Value
     from atoll.client.remote import RemoteValue
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "AdapterJob",
     "AtollError",
     "Client",
     "ClusterStatus",
@@ -87,6 +91,7 @@ __all__ = [
     "Job",
     "JobFailed",
     "LocalCluster",
+    "LoraConfig",
     "NotEnoughWorkers",
     "NotFound",
     "NotPermitted",

@@ -46,6 +46,8 @@ class Call:
     """The worker's gang position for this call (0: unordered), set when dispatched."""
     gang_floor: int = 0
     """Positions of the worker below this one whose calls have ended (controller/jobs.py, GangScheduler)."""
+    gang_lane: str = ""
+    """The order the position is in: the worker's common one (""), or a job's own (``Job.lane``)."""
 
 
 class DispatchError(AtollError):

@@ -29,6 +29,13 @@ def check_config(cfg: JobConfig) -> None:
         )
     if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and (why := cfg.split_backward_refused()):
         raise InvalidInput(f"schedule {cfg.schedule!r} splits the backward; {why}")
+    if cfg.base and cfg.base_name:
+        raise InvalidInput("a job is a resident base (base_name) or attaches to one (base), not both")
+    if (cfg.base or cfg.base_name) and cfg.auto_resume:
+        raise InvalidInput(
+            "auto_resume moves a job to other workers; a resident base and the jobs attached to it share "
+            "their workers' tensors, so it is not built for them"
+        )
     if cfg.auto_resume and not cfg.checkpoint_path:
         raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")
     if cfg.auto_resume and cfg.zero:

@@ -30,6 +30,8 @@ from atoll.core.wire import EdgeSpec
 @dataclass(frozen=True, slots=True)
 class StageMemory:
     parameter_bytes: int
+    """The parameters this job holds on the stage's worker: all of them, or, for a job attached
+    to a resident base (JobConfig.base), its own (the frozen ones are the base's, counted there)."""
     stashed_bytes: int
     """Held from a microbatch's forward to its backward (just its input under rematerialization)."""
     recomputed_bytes: int
@@ -37,6 +39,8 @@ class StageMemory:
     held_bytes: int = 0
     """Where the backward is split: the gradients its input half keeps for its weight half
     (atoll.core.split_backward), held from I to W on top of the stash."""
+    gradient_bytes: int = 0
+    """The trainable parameters' bytes: a frozen parameter gets no gradient."""
 
 
 def measure_stage(
@@ -48,13 +52,15 @@ def measure_stage(
     rematerialize: bool,
     device: str = "cpu",
     split_backward: bool = False,
+    frozen_held_elsewhere: bool = False,
 ) -> StageMemory:
     """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
     would hold. ``from_stages``: the input positions another stage produces (received into
     buffers or handed over from the producer's stash, so counted there); batch inputs are the
     stage's own. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
     to fake device weights in place. With ``split_backward``, the input half of the backward runs
-    too (on gradients standing for the received ones), counting what it keeps for the weight half."""
+    too (on gradients standing for the received ones), counting what it keeps for the weight half.
+    ``frozen_held_elsewhere``: the frozen parameters are a resident base's, not counted here."""
     with fake_mode() as mode:
         graph = graph.on(device, mode)
         if loss is not None and device != "cpu":
@@ -78,12 +84,13 @@ def measure_stage(
                 outputs = [loss.module(*args, **kwargs)]
         counter.add(outputs)
         held = _held_bytes(outputs, loss is not None, inputs, graph, exclude) if split_backward else 0
-    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad or not frozen_held_elsewhere)
     if not rematerialize:
-        return StageMemory(parameter_bytes, counter.nbytes, 0, held)
+        return StageMemory(parameter_bytes, counter.nbytes, 0, held, gradient_bytes)
     kept = SavedTensors(exclude)
     kept.add(inputs)
-    return StageMemory(parameter_bytes, kept.nbytes, counter.nbytes)
+    return StageMemory(parameter_bytes, kept.nbytes, counter.nbytes, gradient_bytes=gradient_bytes)
 
 
 def _held_bytes(outputs, is_loss: bool, inputs, graph: StageGraph, exclude: set[int]) -> int:
@@ -125,7 +132,7 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
         nonlocal peak, peak_stashed
         snap = MemorySnapshot(
             parameters=parameters,
-            gradients=sum(stage_memory[s].parameter_bytes for s in stages_with_grads),
+            gradients=sum(stage_memory[s].gradient_bytes for s in stages_with_grads),
             optimizer=optimizer_bytes,
             activations=activations,
             buffers=buffer_bytes,

@@ -138,7 +138,10 @@ def analyze(st: CompileState) -> None:
     """Reads each stage's program; adds its specs and cost (on fake tensors), checks every edge
     against both its ends, analyzes the loss, and places the dataflow on the ranks (routes)."""
     st.analyzed = [analyze_stage(s, p[0]) for s, p in enumerate(st.programs)]
-    st.stage_params = {s: [p for _, p in StageGraph(g).named_parameters()] for s, (_, g) in enumerate(st.analyzed)}
+    # the optimizer's parameters: a frozen one (a resident base's, say) gets no gradient and no state
+    st.stage_params = {
+        s: [p for _, p in StageGraph(g).named_parameters() if p.requires_grad] for s, (_, g) in enumerate(st.analyzed)
+    }
     infos = st.infos
     _check_edges(st.dataflow, infos)
     st.loss = analyze_loss(st.loss_programs[0], infos[-1].output, st.microbatch_target)
@@ -177,12 +180,14 @@ def measure_stages(st: CompileState) -> None:
             st.config.rematerialize,
             st.device,
             split_backward=topo.schedule in SPLIT_BACKWARD_SCHEDULES,
+            frozen_held_elsewhere=bool(st.config.base),
         )
         st.stages.append(
             CompiledStage(
                 index=s,
                 rank=topo.rank_of(s),
                 modules=st.split.stages[s].modules,
+                start=st.split.stages[s].start,
                 info=infos[s],
                 memory=memory,
                 programs=st.programs[s],

@@ -62,6 +62,8 @@ class CompiledStage:
     index: int
     rank: int
     modules: tuple[str, ...]
+    start: str
+    """Where it starts, as an exact split point (SplitStage.start)."""
     info: StageInfo
     memory: memory_plan.StageMemory
     programs: tuple[bytes, ...]

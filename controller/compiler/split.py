@@ -39,6 +39,9 @@ class SplitStage:
     """The stage's position in pipeline order (0 reads the batch)."""
     modules: tuple[str, ...]
     """The segments it runs, by module name ("" for the model's own code)."""
+    start: str
+    """Its first operation as a split point names it exactly: ``"module#k"``, the k-th operation
+    the module runs itself (not in a child); "" for stage 0."""
     program: bytes
     """The stage's exported program: flat inputs (its incoming edges) -> flat outputs."""
 
@@ -223,7 +226,12 @@ def _named_boundaries(g: _ModelGraph, split_at: list[str], num_stages: int) -> l
         raise InvalidInput(f"{num_stages} stages need {num_stages - 1} split points, got {len(split_at)}: {split_at}")
     starts = []
     for name in split_at:
-        first = next((i for i, p in enumerate(g.paths) if p == name or p.startswith(f"{name}.")), None)
+        if "#" in name:  # exactly: the k-th operation that module runs itself (SplitStage.start)
+            path, _, k = name.rpartition("#")
+            own = [i for i, p in enumerate(g.paths) if p == path]
+            first = own[int(k)] if k.isdigit() and int(k) < len(own) else None
+        else:
+            first = next((i for i, p in enumerate(g.paths) if p == name or p.startswith(f"{name}.")), None)
         if first is None:
             known = sorted({_prefix(p, d) for p in g.paths for d in (1, 2)} - {""})
             raise InvalidInput(
@@ -297,7 +305,7 @@ def split_model(
         for node in g.nodes[bounds[s] : bounds[s + 1]]:
             env[node] = graph.node_copy(node, value)
         graph.output(tuple(value(x) for x in outputs[s]))
-        stages.append(_export_stage(g, graph, s, [x.meta["val"] for x in inputs], modules[s]))
+        stages.append(_export_stage(g, graph, s, [x.meta["val"] for x in inputs], modules[s], _start(g, bounds[s])))
         by_source: dict[int, list[tuple[int, int, fx.Node]]] = {}
         for dst_index, x in enumerate(inputs):
             src = BATCH if x in batch_index else stage_of[x]
@@ -332,7 +340,19 @@ def _stage_modules(g: _ModelGraph, stage_index: list[int], num_stages: int) -> l
     return [tuple(dict.fromkeys(n)) for n in names]
 
 
-def _export_stage(g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...]) -> SplitStage:
+def _start(g: _ModelGraph, first: int) -> str:
+    """The split point naming operation ``first`` exactly (SplitStage.start)."""
+    if first == 0:
+        return ""
+    path = g.paths[first]
+    return f"{path}#{sum(1 for p in g.paths[:first] if p == path)}"
+
+
+def _export_stage(
+    g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...], start: str
+) -> SplitStage:
     module = graph_module(g.gm, graph)  # copies the attributes the graph reads, under their names
     args = tuple(torch.zeros(v.shape, dtype=v.dtype) for v in input_vals)
-    return SplitStage(s, modules, export(module, args, f"stage {s} ({', '.join(modules)}) could not be exported"))
+    return SplitStage(
+        s, modules, start, export(module, args, f"stage {s} ({', '.join(modules)}) could not be exported")
+    )

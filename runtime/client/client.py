@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.client import calibrate
+from atoll.client import calibrate, lora
 from atoll.client.connection import Connection, open_connection
 from atoll.client.export import export_pipeline
 from atoll.client.job import Job
@@ -21,7 +21,7 @@ from atoll.client.program import Program
 from atoll.client.remote import RemoteValue
 from atoll.core.config import JobConfig
 from atoll.core.wire import spec_to_pb, tensor_to_pb
-from atoll.errors import InvalidInput
+from atoll.errors import InvalidInput, NotFound
 from atoll.net.tls import Tls
 
 # The JobConfig fields a Program decides itself (compile refuses them as settings). Every other
@@ -70,6 +70,8 @@ class Client(Connection):
         checkpoint_every: int = 100,
         checkpoint_path: str | os.PathLike = "",
         schedule_costs: dict[str, float] | None = None,
+        base_name: str = "",
+        base: str = "",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -136,6 +138,8 @@ class Client(Connection):
         The job belongs to this client: once the client stops renewing its lease (it closed, or
         its process died), the controller closes the job after the lease timeout. ``detached=True``
         keeps it until ``Job.close`` (from any client: ``client.job(job_id)``).
+
+        ``base_name`` and ``base`` are set by ``load_base`` and ``lora``.
         """
         arguments = dict(locals())  # before any other local: exactly the keyword arguments above
         program = Program()
@@ -151,6 +155,71 @@ class Client(Connection):
             schedule_costs=dict(schedule_costs or {}),
         )
         return self.compile(program, **settings)
+
+    def load_base(self, model: nn.Module, *, name: str, detached: bool = True, **settings) -> Job:
+        """Load ``model`` once as a resident base called ``name``: its parameters frozen, held on
+        its workers until the returned job is closed (``detached`` by default: it outlives this
+        client). ``settings`` are ``pipeline``'s (``example_input``, ``example_target``,
+        ``loss_fn``, ``stages``, ``microbatches``, ...): the layout every job attached to it
+        (``lora``) runs in. The base job itself can ``evaluate`` and ``forward``."""
+        trained = [p for p in model.parameters() if p.requires_grad]
+        for p in trained:  # exported frozen; the caller's model is left as it was
+            p.requires_grad_(False)
+        try:
+            return self.pipeline(model, name=name, base_name=name, detached=detached, **settings)
+        finally:
+            for p in trained:
+                p.requires_grad_(True)
+
+    def lora(
+        self,
+        model: nn.Module,
+        *,
+        base: str,
+        rank: int,
+        targets: list[str],
+        alpha: float | None = None,
+        optimizer: str = "adamw",
+        init: dict[str, torch.Tensor] | str | os.PathLike | None = None,
+        **settings,
+    ) -> lora.AdapterJob:
+        """A job training LoRA adapters (Hu et al.: W0 x + (alpha / rank) B A x) of rank ``rank`` on
+        the ``targets`` linear layers (names or their last parts, as PEFT's ``target_modules``) of
+        the resident base ``base`` (``load_base``). ``model`` is the base model as this client has
+        it: only its structure is used; the workers compute with the base's own tensors, held once
+        for every job attached. The job runs in the base's layout, on its workers, cut where it is
+        cut; its steps run beside the other attached jobs' steps, filling each other's pipeline
+        bubbles. Its state (``state_dict``, ``save``) is its adapters and their optimizer state.
+        ``alpha`` defaults to ``rank``. ``init``: starting adapter tensors (a dict, or a directory
+        saved by ``AdapterJob.save_adapter`` or PEFT), else PEFT's initialization. ``settings`` are
+        ``pipeline``'s (``example_input``, ``example_target``, ``loss_fn``, ``microbatches``, ...),
+        less the layout, which is the base's."""
+        config = lora.LoraConfig(rank=rank, alpha=float(rank if alpha is None else alpha), targets=tuple(targets))
+        if isinstance(init, (str, os.PathLike)):
+            init, saved = lora.load_adapter(init)
+            if saved != config:
+                raise InvalidInput(f"the adapter at the given path is {saved}, not {config}")
+        layout = self._base_layout(base)
+        taken = sorted(layout.keys() & settings.keys())
+        if taken:
+            raise InvalidInput(f"a job attached to a base runs in the base's layout; do not give {', '.join(taken)}")
+        adapted = lora.with_adapters(model, config, init)
+        job = self.pipeline(adapted, base=base, optimizer=optimizer, **layout, **settings)
+        return lora.AdapterJob(self, job.id, job.plan, config)
+
+    def _base_layout(self, base: str) -> dict[str, int]:
+        """The resident base's layout, as ``pipeline``'s settings."""
+        held = [j for j in self.status().jobs if j.base_name == base and j.state == "ready"]
+        if not held:
+            raise NotFound(f"no resident base named {base!r} is loaded (see Client.load_base)")
+        report = self.job(held[0].job_id).plan.report
+        layout = report["layout"]
+        return {
+            "stages": layout["pipeline"],
+            "virtual_stages": len(report["stages"]) // layout["pipeline"],
+            "data_parallel": layout["data"],
+            "tensor_parallel": layout["tensor"],
+        }
 
     def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
         """Place ``tensor`` on a worker (of ``island``, least loaded) once; pass the handle to steps

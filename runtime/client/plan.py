@@ -198,6 +198,8 @@ class ClusterStatus:
                 f"steps={j.steps} ({j.steps_per_s:.1f}/s) loss={loss} "
                 f"peak MiB predicted/measured={_mib(j.predicted_peak_bytes)}/{measured} workers={','.join(j.workers)}"
                 + (" exclusive" if j.exclusive else "")
+                + (f" resident base {j.base_name!r}" if j.base_name else "")
+                + (f" on base {j.base!r}" if j.base else "")
                 + (f"  error: {j.error}" if j.error else "")
             )
         lines.append(f"admission queue ({len(self.queue)}):")
@@ -277,3 +279,7 @@ class JobStatus:
     """The plan's largest predicted per-rank peak."""
     measured_peak_bytes: int = 0
     """The largest per-worker peak measured in the last training step (0: no step yet)."""
+    base_name: str = ""
+    """The resident base this job is (``Client.load_base``), or ""."""
+    base: str = ""
+    """The resident base this job trains adapters on (``Client.lora``), or ""."""

@@ -92,6 +92,14 @@ class JobConfig:
     """For ``schedule="auto"``: seconds each action takes, by stage and kind ("0F", "0B", "0I",
     "0W", ...), as measured on the workers (``Client.pipeline`` calibrates them); the compiler
     simulates every candidate schedule at these costs. Empty: the stages' FLOP counts stand in."""
+    base_name: str = ""
+    """Load this job as a resident base model of that name (``Client.load_base``): its parameters
+    are frozen and stay on its workers until it is closed, and adapter jobs attach to them."""
+    base: str = ""
+    """The resident base this job attaches to (``Client.lora``): its frozen parameters are the
+    base's own tensors on the base's workers (held once, whatever the number of jobs attached),
+    its stages are cut where the base's are, and its steps run beside the other attached jobs'
+    rather than after them, so one job's microbatches fill another's pipeline bubbles."""
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run

@@ -98,7 +98,7 @@ class WorkerDaemon:
         if self.device.startswith("cuda"):
             gpu_uuid = str(torch.cuda.get_device_properties(torch.device(self.device)).uuid)
         # the controller numbers a registration's work from 1, and may send some as soon as it answers
-        self.service.turnstile.reset()
+        self.service.reset_order()
         reply = self._controller.call(
             "RegisterWorker",
             pb.RegisterWorkerRequest(

@@ -43,6 +43,33 @@ def _check_plan(routes: Routes, request: pb.LoadPlanRequest, ranks: int) -> None
             raise ValueError(f"tied parameter {t.name} names a stage outside 0..{n - 1}")
 
 
+def _share_base(stages: list[StageSetup], base: PipelineExecutor) -> frozenset[int]:
+    """Make each frozen parameter of the job's stages the base's tensor of the same name and stage
+    on this worker, dropping the job's own copy (the base's values are what it trains on, whatever
+    the client sent); the ids of the shared parameters. InvalidInput where the base has none."""
+    shared = set()
+    for setup in stages:
+        held = base.stages.get(setup.index)
+        theirs = dict(held.graph.named_parameters()) if held is not None else {}
+        program = setup.graph.program
+        for name, p in list(program.module.named_parameters(remove_duplicate=False)):
+            if p.requires_grad:
+                continue
+            mine = theirs.get(name)
+            if mine is None or mine.shape != p.shape or mine.dtype != p.dtype:
+                found = "holds no such parameter" if mine is None else f"holds it as {mine.dtype} {list(mine.shape)}"
+                raise InvalidInput(
+                    f"stage {setup.index}: frozen parameter {name} ({p.dtype} {list(p.shape)}) is not the "
+                    f"base's: the base's stage {setup.index} on this worker {found}"
+                )
+            owner, _, attr = name.rpartition(".")
+            program.module.get_submodule(owner)._parameters[attr] = mine
+            if name in program.ep.state_dict:  # the archive's copy would keep the client's values alive
+                program.ep.state_dict[name] = mine
+            shared.add(id(mine))
+    return frozenset(shared)
+
+
 class PlanLoader:
     """Builds the executor of one plan on this worker's device.
 
@@ -55,9 +82,10 @@ class PlanLoader:
         """The address peers reach this worker at (data plane)."""
         self.controller = controller
 
-    def load(self, request: pb.LoadPlanRequest) -> PipelineExecutor:
+    def load(self, request: pb.LoadPlanRequest, base: PipelineExecutor | None = None) -> PipelineExecutor:
         """The plan's executor, its transports and process groups joined; InvalidInput for a plan
-        that does not fit together, JobFailed when the data plane cannot be set up."""
+        that does not fit together, JobFailed when the data plane cannot be set up. ``base``: the
+        resident base's executor here, whose parameters the job's frozen ones become."""
         stages = [
             StageSetup(
                 index=sp.stage,
@@ -69,6 +97,7 @@ class PlanLoader:
             )
             for sp in request.stages
         ]
+        shared = _share_base(stages, base) if base is not None else frozenset()
         loss = None
         if request.loss_program:
             loss = BlockGraph("loss", on_device(deserialize(request.loss_program, "loss program"), self.device))
@@ -96,6 +125,7 @@ class PlanLoader:
                 device=self.device,
                 replica=mesh.coordinates["data"],
                 replicas=mesh.sizes["data"],
+                base=shared,
             )
             if mesh.sizes["pipeline"] > 1:
                 executor.transport = self._connect(request, mesh, executor, timeout_s)

@@ -68,6 +68,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Step calls running now, released ones included (reported with each heartbeat)."""
         self._lock = threading.Lock()
         self.turnstile = Turnstile()
+        """The order of the island's work (LoadPlan, and every call of a job without a lane)."""
+        self._lanes: dict[str, Turnstile] = {}
+        """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept
+        after the job is unloaded."""
         self.relay = Relay(token, self._step_in_turn)
         self.controller_key = ""
         """Set at registration: the key the controller's calls carry (``controller_only``)."""
@@ -80,6 +84,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         if executor is None:
             raise NotFound(f"job {job_id!r} is not loaded on this worker")
         return executor
+
+    def _order(self, job_id: str) -> Turnstile:
+        """The turnstile a job's calls (but its LoadPlan) take their turns in."""
+        with self._lock:
+            return self._lanes.get(job_id, self.turnstile)
+
+    def reset_order(self) -> None:
+        """A new controller numbers every order from 1 again (see Turnstile.reset)."""
+        with self._lock:
+            turnstiles = [self.turnstile, *self._lanes.values()]
+        for turnstile in turnstiles:
+            turnstile.reset()
 
     def _ledger(self, job_id: str) -> StepLedger:
         self._job(job_id)  # the same error for a job that is not here
@@ -115,16 +131,21 @@ class WorkerService(pb_grpc.WorkerServicer):
         with self._lock:
             if request.job_id in self._jobs:
                 raise InvalidInput(f"job {request.job_id!r} is already loaded on this worker")
+            base = self._jobs.get(request.base_job) if request.base_job else None
+        if request.base_job and base is None:
+            raise InvalidInput(f"job {request.job_id}: its base job {request.base_job!r} is not loaded on this worker")
         self._use_device()
-        executor = PlanLoader(device=self.device, host=self.host, controller=self.controller).load(request)
+        executor = PlanLoader(device=self.device, host=self.host, controller=self.controller).load(request, base)
         with self._lock:
             self._jobs[request.job_id] = executor
             self._ledgers[request.job_id] = StepLedger(request.store_namespace)
+            if base is not None:
+                self._lanes[request.job_id] = Turnstile()
         log.info("loaded job %s as worker %d (%d actions)", request.job_id, request.mesh.worker, len(request.actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
 
     def _step_in_turn(self, request: pb.RunStepRequest) -> pb.RunStepReply:
-        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
+        with self._order(request.job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             return self._step_once(request)
 
     @contextlib.contextmanager
@@ -162,10 +183,10 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def RunSteps(self, request: pb.RunStepsRequest, context):
         """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
+        job_id = request.steps[0].job_id if request.steps else ""
+        with self._order(job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             if not request.steps:
                 return pb.RunStepsReply()
-            job_id = request.steps[0].job_id
             ledger, wait_s = self._ledger(job_id), self._earlier_wait_s(job_id)
             earlier = [ledger.claim(step.step) for step in request.steps]  # all at once: a second sending waits
             replies = []
@@ -190,7 +211,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def RunStepStream(self, request: pb.RunStepRequest, context):
         """RunStep that first reports when its turn has come (sequential dispatch waits for it)."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
+        with self._order(request.job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             yield pb.RunStepEvent(started=True)
             reply = self._step_once(request)
         yield pb.RunStepEvent(reply=reply)
@@ -253,7 +274,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @rpc_handler
     @controller_only
     def GetState(self, request: pb.GetStateRequest, context):
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+        with self._order(request.job_id).turn(request.gang_seq, request.gang_floor):
             # serialized inside the turn: a queued step must not update weights mid-read
             state = self._job(request.job_id).state_dict()
             return pb.StateReply(tensors=[pb.NamedTensor(name=k, tensor=tensor_to_pb(v)) for k, v in state.items()])
@@ -262,7 +283,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     @controller_only
     def SaveState(self, request: pb.SaveStateRequest, context):
         """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+        with self._order(request.job_id).turn(request.gang_seq, request.gang_floor):
             tensors = self._job(request.job_id).checkpoint_tensors()
             if "/" in request.file or request.file.startswith("."):
                 raise InvalidInput(f"checkpoint file name {request.file!r} must be a plain name")
@@ -276,7 +297,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def LoadState(self, request: pb.LoadStateRequest, context):
         """Load the job's weights and optimizer state from a committed checkpoint version, cut for
         this worker's place in the job's layout."""
-        with self.turnstile.turn(request.gang_seq, request.gang_floor):
+        with self._order(request.job_id).turn(request.gang_seq, request.gang_floor):
             executor = self._job(request.job_id)
             version = Path(request.directory)
             try:
@@ -295,9 +316,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             executor = self._jobs.pop(request.job_id, None)
             self._ledgers.pop(request.job_id, None)
             stuck = self._stepping.pop(request.job_id, 0)
+            # the lane stays: a call of the job still on its way takes its turn there, not in the
+            # common order (whose position it does not hold), and then finds the job gone
+            order = self._lanes.get(request.job_id, self.turnstile)
         if executor is None:
             raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
-        if self.turnstile.release(stuck):
+        if order.release(stuck):
             log.warning(
                 "job %s unloaded while its step (gang position %d) still waits; the order goes on",
                 request.job_id,

@@ -13,8 +13,19 @@ if TYPE_CHECKING:
     from atoll.worker.executor.interpreter import PipelineExecutor
 
 
+def _base_names(ex: PipelineExecutor, stage) -> set[str]:
+    """The stage's parameters that are a resident base's: neither read nor written through this
+    job (its client sees and saves only its own tensors)."""
+    return {name for name, p in stage.graph.named_parameters() if id(p) in ex.base}
+
+
 def state_dict(ex: PipelineExecutor) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for stage in ex.stages.values() for k, v in stage.graph.state_dict().items()}
+    return {
+        k: v.detach().clone()
+        for stage in ex.stages.values()
+        for k, v in stage.graph.state_dict().items()
+        if k not in _base_names(ex, stage)
+    }
 
 
 def checkpoint_tensors(ex: PipelineExecutor) -> dict[str, torch.Tensor]:
@@ -25,7 +36,8 @@ def checkpoint_tensors(ex: PipelineExecutor) -> dict[str, torch.Tensor]:
     out, names = {}, {}
     for stage in ex.stages.values():
         for name, p in stage.graph.named_parameters():
-            out[f"param/{name}"], names[id(p)] = p, name
+            if id(p) not in ex.base:
+                out[f"param/{name}"], names[id(p)] = p, name
         for name, b in stage.graph.named_buffers():
             out[f"buffer/{name}"] = b
     for p, state in ex.optimizer.state.items() if ex.optimizer is not None else ():
@@ -58,6 +70,8 @@ def restore(ex: PipelineExecutor, reader, cuts: dict) -> None:
     with torch.no_grad():
         for stage in ex.stages.values():
             for name, p in stage.graph.named_parameters():
+                if id(p) in ex.base:
+                    continue
                 p.copy_(local(f"param/{name}", name, p))
                 if ex.optimizer is None:
                     continue

@@ -61,7 +61,10 @@ class PipelineExecutor:
         device: torch.device,
         replica: int = 0,
         replicas: int = 1,
+        base: frozenset[int] = frozenset(),
     ):
+        """``base``: the ids of the parameters that are a resident base's tensors (held and counted
+        by the base's own executor on this worker, runtime/worker/loader.py)."""
         self.rank = rank
         self.stages = {s.index: s for s in stages}
         self.loss = loss
@@ -87,8 +90,11 @@ class PipelineExecutor:
         self.device = device
         self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
-        self.stage_params = {s.index: [p for _, p in s.graph.named_parameters()] for s in stages}
+        # the optimizer's parameters: a frozen one gets no gradient, no state and no all-reduce
+        held = [p for s in stages for _, p in s.graph.named_parameters()]
+        self.stage_params = {s.index: [p for _, p in s.graph.named_parameters() if p.requires_grad] for s in stages}
         self.params = [p for ps in self.stage_params.values() for p in ps]
+        self.base = base
         # ZeRO-1: the parameters move into one flat buffer; this replica's optimizer steps its shard
         self.zero = (
             ZeroShard(self.params, replica, replicas, settings.optimizer, settings.optimizer_args)
@@ -119,8 +125,8 @@ class PipelineExecutor:
         self.tied_buffers = {k[1:]: v[0] for k, v in buffers.items() if not isinstance(k, int)}
         self.recv_buffers = [t for key in sorted(buffers, key=str) for t in buffers[key]]
         # storages counted in their own categories, never as stashed activations
-        self.not_activations = {storage_key(t) for t in self.params} | {storage_key(t) for t in self.recv_buffers}
-        self.parameter_bytes = storage_bytes(self.params)
+        self.not_activations = {storage_key(t) for t in held} | {storage_key(t) for t in self.recv_buffers}
+        self.parameter_bytes = storage_bytes(p for p in held if id(p) not in base)
         self.saved_bytes: dict[tuple, int] = {}
         """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
