@@ -59,7 +59,8 @@ def build(args):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 32), num_key_value_heads=max(1, args.hidden // 64),
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 32),
+        num_key_value_heads=max(1, args.hidden // 64),
         max_position_embeddings=args.seq, use_cache=False,
     )  # fmt: skip
     model = Logits(transformers.LlamaForCausalLM(config))
