@@ -9,8 +9,9 @@ different targets on a Llama-shaped model from transformers, AdamW, 1F1B):
 - separate: each tenant a pipeline job of its own (the adapted model, base included), trained
   one after another, as without a resident base.
 
-Prints JSON: tokens/s of each (training only; loading is listed apart), their ratio, and the
-parameter bytes the workers held for the tenants.
+Prints JSON: tokens/s of each (training only; loading is listed apart), their ratio, the
+parameter bytes the workers held for the tenants, how many cores each kept busy, and the ratio
+the separate jobs' CPU per step would allow with every core busy (the host's ceiling).
 
     python bench/lora.py                      # 4 tenants, 4 stages
     python bench/lora.py --steps 2 --hidden 32 --layers 2 --seq 8 --batch 4   # smallest
@@ -88,10 +89,11 @@ def _train(job, batches, in_flight: int) -> list[float]:
 def shared(client, model, batches, args, cpu: CpuMeter) -> dict:
     started = time.perf_counter()
     base = client.load_base(model, name="bench", stages=args.stages, **_settings(args, batches))
-    jobs = [
-        client.lora(model, base="bench", rank=args.rank, targets=TARGETS[t % len(TARGETS)], **_settings(args, batches))
-        for t in range(args.tenants)
-    ]
+    jobs = []
+    for t in range(args.tenants):
+        torch.manual_seed(100 + t)  # each tenant's adapter starts as in the separate run
+        targets = TARGETS[t % len(TARGETS)]
+        jobs.append(client.lora(model, base="bench", rank=args.rank, targets=targets, **_settings(args, batches)))
     loaded = time.perf_counter() - started
     for job in jobs:
         _train(job, batches[: args.warmup], 1)
@@ -121,6 +123,7 @@ def separate(client, model, batches, args, cpu: CpuMeter) -> dict:
     for t in range(args.tenants):
         config = atoll.LoraConfig(rank=args.rank, alpha=float(args.rank), targets=tuple(TARGETS[t % len(TARGETS)]))
         started = time.perf_counter()
+        torch.manual_seed(100 + t)
         job = client.pipeline(
             lora.with_adapters(model, config), stages=args.stages, optimizer="adamw", **_settings(args, batches)
         )
@@ -176,6 +179,9 @@ def main(argv=None) -> dict:
         "separate_jobs": apart,
         "shared_vs_separate_tokens_per_s": together["tokens_per_s"] / apart["tokens_per_s"],
         "parameter_bytes_separate_vs_shared": apart["parameter_bytes_held"] / together["parameter_bytes_held"],
+        # the most filling bubbles can give on this host: the separate jobs' CPU per step with every
+        # core busy (with fewer cores than workers, one worker's bubble is another's compute already)
+        "ratio_with_every_core_busy": len(os.sched_getaffinity(0)) / apart["cores_busy"],
     }
     print(json.dumps(result, indent=2))
     return result

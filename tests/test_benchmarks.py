@@ -129,3 +129,20 @@ def test_state_store_benchmark_runs_at_its_smallest_size():
     }
     assert all(rate > 0 for rates in report["steps_per_s"].values() for rate in rates)
     assert set(report["with_store_over_without"]) == {"plain", "auto_resume"}
+
+
+def test_lora_benchmark_runs_at_its_smallest_size():
+    pytest.importorskip("transformers")
+    args = ["--tenants", "2", "--stages", "2", "--microbatches", "2", "--batch", "4", "--seq", "8", "--hidden", "32"]
+    args += ["--layers", "2", "--vocab", "32", "--rank", "2", "--steps", "2"]
+    out = subprocess.run(
+        [sys.executable, "bench/lora.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    together, apart = report["shared_base"], report["separate_jobs"]
+    assert together["tokens_per_s"] > 0 and apart["tokens_per_s"] > 0 and report["shared_vs_separate_tokens_per_s"] > 0
+    # the same tenants train alike either way (same batches, same initial adapters: B starts at zero)
+    assert together["last_losses"] == pytest.approx(apart["last_losses"], rel=1e-4)
+    assert report["parameter_bytes_separate_vs_shared"] > 1.5  # each separate job held the base again
+    assert report["ratio_with_every_core_busy"] > 0

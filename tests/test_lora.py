@@ -146,11 +146,32 @@ def test_four_adapters_on_one_pipelined_base_train_as_peft_does(shared, name):
         assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
         assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())
         _check_memory(model, base, jobs, batches)
+        _check_interleaved(jobs)
         shown = client.status().render()
         assert f"resident base {name!r}" in shown and shown.count(f"on base {name!r}") == len(jobs)
     finally:
         for job in jobs:
             job.close()
+
+
+def _action_times(job, worker: int) -> dict[int, list[float]]:
+    """Step -> when each of the job's actions began on ``worker`` (its measured timeline)."""
+    trace = job.timeline(last=len(lora_cases.ADAPTERS))
+    times: dict[int, list[float]] = {}
+    for e in trace.events["traceEvents"]:
+        if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == worker:  # measured rows
+            times.setdefault(e["args"]["step"], []).append(trace.summary["origin_s"] + e["ts"] / 1e6)
+    return times
+
+
+def _check_interleaved(jobs) -> None:
+    """The attached jobs' steps ran beside each other on the shared workers: on each worker, an
+    action of one job began while a step of another was part-way through."""
+    for worker in range(4):
+        times = [_action_times(job, worker) for job in jobs]
+        steps = [(i, min(ts), max(ts)) for i, of_job in enumerate(times) for ts in of_job.values()]
+        others = [(i, t) for i, of_job in enumerate(times) for ts in of_job.values() for t in ts]
+        assert any(lo < t < hi for i, lo, hi in steps for j, t in others if j != i), f"worker {worker}"
 
 
 def _check_memory(model, base, jobs, batches) -> None:

@@ -204,6 +204,9 @@ class Client(Connection):
         if taken:
             raise InvalidInput(f"a job attached to a base runs in the base's layout; do not give {', '.join(taken)}")
         adapted = lora.with_adapters(model, config, init)
+        if layout["tensor_parallel"] > 1:  # each A cut only where its input comes sharded (its B follows)
+            plan = dict(settings.pop("tensor_parallel_plan", None) or {})
+            settings["tensor_parallel_plan"] = {**lora.adapter_tp_plan(adapted), **plan}
         job = self.pipeline(adapted, base=base, optimizer=optimizer, **layout, **settings)
         return lora.AdapterJob(self, job.id, job.plan, config)
 

@@ -123,6 +123,13 @@ def with_adapters(model: nn.Module, config: LoraConfig, init: dict[str, torch.Te
     return adapted
 
 
+def adapter_tp_plan(model: nn.Module) -> dict[str, str]:
+    """Under tensor parallelism, each adapter's A is cut row-parallel where the base layer is (its
+    input arrives sharded) and kept whole where the base layer is column-parallel; B then follows
+    the base layer's cut (column-parallel) or stays whole (after A's all-reduce)."""
+    return {f"{name}.lora_A": "rowwise_if_sharded" for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trained tensors of a model made by ``with_adapters``, by parameter name."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -25,7 +25,8 @@ class Trace:
     def step_starts(self) -> dict[str, dict[int, float]]:
         """Worker id -> step number -> when the step's first action began on that worker (wall
         clock, ``time.time()`` seconds). A worker runs the steps of all its jobs one at a time in
-        its gang order, so merging these for several jobs on one worker gives that order."""
+        its gang order (but for jobs attached to a resident base, whose steps interleave), so
+        merging these for several jobs on one worker gives that order."""
         origin, ids = self.summary["origin_s"], {w["worker"]: w["worker_id"] for w in self.summary["workers"]}
         starts: dict[str, dict[int, float]] = {}
         for e in self.events["traceEvents"]:

@@ -28,6 +28,7 @@ from atoll.net.auth import from_controller
 from atoll.net.relay import Relay
 from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
 from atoll.worker.executor.interpreter import PipelineExecutor
+from atoll.worker.interleave import Interleaver
 from atoll.worker.ledger import StepLedger
 from atoll.worker.loader import PlanLoader
 from atoll.worker.turnstile import Turnstile
@@ -70,6 +71,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.turnstile = Turnstile()
         """The order of the island's work (LoadPlan, and every call of a job without a lane)."""
         self._lanes: dict[str, Turnstile] = {}
+        self._interleaver = Interleaver()
+        """Runs the steps of the jobs with lanes an action at a time, in one thread (runtime/worker/interleave.py)."""
         """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept
         after the job is unloaded."""
         self.relay = Relay(token, self._step_in_turn)
@@ -230,7 +233,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
             inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
             targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
-            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
+            with self._lock:
+                lane = request.job_id in self._lanes
+            interleaver = self._interleaver if lane and executor.interleavable else None
+            losses, memory, outputs = executor.run_step(
+                inputs, targets, request.mode or "train", request.step, interleaver
+            )
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled

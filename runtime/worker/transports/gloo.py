@@ -34,19 +34,31 @@ class Transport(Protocol):
 
 
 class _GlooHandle:
-    __slots__ = ("_work", "_what", "tensor")
+    """``wait`` may be called again once it returned (an interleaver waits in another thread
+    first, runtime/worker/interleave.py): gloo's own wait on a send or receive waits for one more
+    completion each time it is called, so a second call would wait for a message never sent."""
+
+    __slots__ = ("_work", "_what", "tensor", "_done")
 
     def __init__(self, work, what: str, tensor: torch.Tensor):
         self._work = work
         self._what = what
         self.tensor = tensor  # keeps a send's source alive until the peer has it
+        self._done = False
+
+    def done(self) -> bool:
+        """Whether ``wait`` has returned (gloo marks a send or receive complete only in its wait)."""
+        return self._done
 
     def wait(self, timeout_s: float) -> None:
+        if self._done:
+            return
         try:
             self._work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
             reason = "timed out" if "Timed out" in str(e) else "failed"
             raise DataPlaneError(f"{self._what} {reason} after at most {timeout_s:g}s: {e}") from None
+        self._done = True
 
 
 class _StagedRecv:
@@ -58,6 +70,8 @@ class _StagedRecv:
         self._inner, self._host, self._device_buf, self._copied = inner, host, device_buf, copied
 
     def wait(self, timeout_s: float) -> None:
+        if self._inner.done():  # waited before, and copied then
+            return
         self._inner.wait(timeout_s)
         self._device_buf.copy_(self._host, non_blocking=True)  # ordered on the compute stream
         done = torch.cuda.Event()

@@ -16,7 +16,10 @@ from atoll.core.graphs import deserialize
 from atoll.core.shards import ParamShard
 from atoll.errors import InvalidInput
 
-ROLES = ("colwise", "rowwise", "vocab_embedding", "replicate")
+ROLES = ("colwise", "rowwise", "vocab_embedding", "replicate", "rowwise_if_sharded")
+"""What a plan may state: "rowwise_if_sharded" cuts a layer row-parallel where its input arrives
+sharded and keeps it whole otherwise, never column-parallel (a LoRA adapter's A: cutting its few
+output features would make B row-parallel, its partial sums meeting the base layer's column shards)."""
 _ops = torch.ops.atoll
 # per island op: the (direction, "in"/"out") of each collective it runs, as the bytes of its input or
 # output tensor; e.g. a reduce-scatter all-reduces its whole input forward and all-gathers its

@@ -193,8 +193,9 @@ class Pass:
         bias = self.param(b) if b is not None else None
         if sx is None:  # column-parallel
             features = weight.shape[out_dim]
-            if role == "rowwise" or features % self.ranks:
-                why = "stated rowwise" if role == "rowwise" else f"{features} output features, not divisible"
+            if role in ("rowwise", "rowwise_if_sharded") or features % self.ranks:
+                stated = role in ("rowwise", "rowwise_if_sharded")
+                why = f"stated {role}" if stated else f"{features} output features, not divisible"
                 self.d.replicated[module_path(n) or n.name] = why
                 return None
             origins = frozenset({n})
