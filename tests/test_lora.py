@@ -154,9 +154,10 @@ def test_four_adapters_on_one_pipelined_base_train_as_peft_does(shared, name):
             job.close()
 
 
-def _action_times(job, worker: int) -> dict[int, list[float]]:
-    """Step -> when each of the job's actions began on ``worker`` (its measured timeline)."""
-    trace = job.timeline(last=len(lora_cases.ADAPTERS))
+def _action_times(job, worker: int, last: int = 3) -> dict[int, list[float]]:
+    """Step -> when each of the job's actions began on ``worker`` in its ``last`` steps (its
+    measured timeline)."""
+    trace = job.timeline(last=last)
     times: dict[int, list[float]] = {}
     for e in trace.events["traceEvents"]:
         if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == worker:  # measured rows
@@ -194,6 +195,66 @@ def _check_memory(model, base, jobs, batches) -> None:
     )
     held_alone = sum(r.peak.parameters for r in alone.memory.values())
     assert held_alone == base_bytes + sum(r["parameters"] for r in jobs[0].plan.predicted_memory.values())
+
+
+@pytest.mark.cluster
+def test_attached_jobs_share_the_workers_by_weight(shared):
+    """Two adapters trained at once, 12 steps each, the one of weight 1 started first: the one of
+    weight 3 still finishes first on every worker (tests/test_interleave.py holds the shares)."""
+    _, client, bases = shared
+    model, batches, _ = bases["llama32"]
+    x, y = batches[0]
+    jobs = [
+        client.lora(model, base="llama32", weight=w, schedule="1f1b", **lora_cases.ADAPTERS[0], **_settings(batches))
+        for w in (1.0, 3.0)
+    ]
+    try:
+        _train_side_by_side(jobs, [(x, y)] * 12)
+        for worker in range(4):
+            light, heavy = ({s: min(ts) for s, ts in _action_times(job, worker, 12).items()} for job in jobs)
+            assert len(heavy) == len(light) == 12
+            assert max(heavy.values()) < max(light.values()), worker
+    finally:
+        for job in jobs:
+            job.close()
+
+
+@pytest.mark.cluster
+def test_adapters_follow_a_tensor_parallel_base(shared):
+    """A base cut 2 stages x tensor_parallel=2 on the same workers: each adapter is cut as its base
+    layer is (B column-parallel under a column-parallel layer, A row-parallel under a row-parallel
+    one, the rest whole) and trains as its PEFT reference does, in float64 (losses and weights
+    within 1e-5); the base's shards stay bit-identical."""
+    _, client, bases = shared
+    model, batches, _ = bases["llama64"]
+    base = client.load_base(model, name="llama-tp", stages=2, tensor_parallel=2, schedule="1f1b", **_settings(batches))
+    try:
+        before = base.state_dict()
+        adapters = [lora_cases.ADAPTERS[1], lora_cases.ADAPTERS[3]]  # row-parallel layers; q_proj and the head
+        references, jobs = [], []
+        for i, adapter in enumerate(adapters):
+            wrapped = lora_cases.peft_model(peft, model, adapter, seed=20 + i)
+            init = lora_cases.adapter_of(peft, wrapped)
+            references.append(lora_cases.train_peft(peft, wrapped, batches))
+            jobs.append(_attach(client, "llama-tp", model, batches, adapter, init))
+        try:
+            roles = models.tp_roles(jobs[0].plan.report)
+            assert roles["lm.model.layers.0.self_attn.o_proj.lora_A"] == "rowwise"
+            assert roles["lm.model.layers.0.mlp.down_proj.lora_A"] == "rowwise"
+            assert models.tp_roles(jobs[1].plan.report)["lm.model.layers.0.self_attn.q_proj.lora_B"] == "colwise"
+            losses = _train_side_by_side(jobs, batches)
+            for job, got, (ref_losses, ref_adapter) in zip(jobs, losses, references):
+                assert_losses_match(got, ref_losses, RTOL)
+                state = job.adapter_state_dict()
+                for key, ref in ref_adapter.items():
+                    assert relative_error(state[key.removeprefix(lora.PEFT_PREFIX)], ref) <= RTOL, (job.id, key)
+        finally:
+            for job in jobs:
+                job.close()
+        after = base.state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+    finally:
+        base.close()
 
 
 @pytest.mark.cluster

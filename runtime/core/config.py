@@ -153,6 +153,9 @@ class WorkerSettings:
     zero: bool
     """ZeRO-1: this replica steps its shard of the flat parameters."""
     data_plane_timeout_s: float
+    weight: float = 1.0
+    """The job's share of the worker against the other jobs whose steps it interleaves with
+    this one's (runtime/worker/interleave.py), as JobConfig.weight."""
 
     @staticmethod
     def of(cfg: JobConfig) -> WorkerSettings:
@@ -163,6 +166,7 @@ class WorkerSettings:
             rematerialize=cfg.rematerialize,
             zero=cfg.zero == 1,
             data_plane_timeout_s=cfg.data_plane_timeout_s,
+            weight=cfg.weight,
         )
 
     def to_pb(self) -> pb.WorkerSettings:
@@ -175,7 +179,8 @@ class WorkerSettings:
                 f"plan's settings: microbatches {msg.microbatches} and data_plane_timeout_s "
                 f"{msg.data_plane_timeout_s} must be positive"
             )
-        return WorkerSettings(**{f.name: _read(msg, f) for f in dataclasses.fields(WorkerSettings)})
+        settings = WorkerSettings(**{f.name: _read(msg, f) for f in dataclasses.fields(WorkerSettings)})
+        return settings if settings.weight > 0 else dataclasses.replace(settings, weight=1.0)  # 0: not set
 
 
 def _fill(msg, settings):

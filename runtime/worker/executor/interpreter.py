@@ -87,6 +87,8 @@ class PipelineExecutor:
         self.last_backward = {a.stage: a.microbatch for a in actions if a.kind.grads in ("weight", "both")}
         """Per stage, the microbatch whose backward (B, or W where it is split) ends its gradients."""
         self.timeout_s = settings.data_plane_timeout_s
+        self.weight = settings.weight
+        """Its share against other jobs' steps interleaved with its own (runtime/worker/interleave.py)."""
         self.device = device
         self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
