@@ -10,8 +10,9 @@ different targets on a Llama-shaped model from transformers, AdamW, 1F1B):
   one after another, as without a resident base.
 
 Prints JSON: tokens/s of each (training only; loading is listed apart), their ratio, the
-parameter bytes the workers held for the tenants, how many cores each kept busy, and the ratio
-the separate jobs' CPU per step would allow with every core busy (the host's ceiling).
+parameter bytes the workers held for the tenants, how many cores each kept busy, and the ratios
+the separate jobs' CPU per step would allow with every core busy, or with the busiest worker
+never idle (the ceilings of any bubble filling on this host).
 
     python bench/lora.py                      # 4 tenants, 4 stages
     python bench/lora.py --steps 2 --hidden 32 --layers 2 --seq 8 --batch 4   # smallest
@@ -170,6 +171,7 @@ def main(argv=None) -> dict:
         # on a host with fewer cores than workers, a pipeline's bubbles are other workers' CPU time
         side["cores_busy"] = sum(meter.spent.values()) / side["train_s"]
         side["cpu_ms_per_tenant_step"] = meter.ms_per_step(args.tenants * args.steps)
+    busiest = max(v for k, v in apart["cpu_ms_per_tenant_step"].items() if k.startswith("worker"))
     result = {
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "seq", "batch", "microbatches", "rank")},
         "tenants": args.tenants,
@@ -179,9 +181,11 @@ def main(argv=None) -> dict:
         "separate_jobs": apart,
         "shared_vs_separate_tokens_per_s": together["tokens_per_s"] / apart["tokens_per_s"],
         "parameter_bytes_separate_vs_shared": apart["parameter_bytes_held"] / together["parameter_bytes_held"],
-        # the most filling bubbles can give on this host: the separate jobs' CPU per step with every
-        # core busy (with fewer cores than workers, one worker's bubble is another's compute already)
+        # the most filling bubbles can give here, at the separate jobs' CPU per step: every core busy
+        # (with fewer cores than workers, one worker's bubble is another's compute already), and
+        # the busiest worker never idle
         "ratio_with_every_core_busy": len(os.sched_getaffinity(0)) / apart["cores_busy"],
+        "ratio_with_busiest_worker_never_idle": apart["train_s"] * 1e3 / (args.tenants * args.steps) / busiest,
     }
     print(json.dumps(result, indent=2))
     return result

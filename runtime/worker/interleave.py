@@ -18,19 +18,24 @@ nothing while it was away.
 Each job's actions still run in its own order, and a job waits only for its own receives and
 sends (``PipelineExecutor.interleavable``: no collective, whose peers would have to take the
 jobs in the same order), so jobs interleaved differently on two workers cannot deadlock. A step
-whose next action must wait gets a thread of its own blocked in the transport (outside the
-interpreter lock), with the data plane's deadline: a pool could fill with waits for sends that
-complete only once a peer progresses, starving a wait that would let it. This thread sleeps
-until one of the waits, or a new step, ends.
+whose next action must wait has one wait running in a pool of threads blocked in the transport
+(outside the interpreter lock), with the data plane's deadline: one per step, never one per
+handle, so the pool (``MAX_STEPS`` threads) cannot fill with waits for sends that complete only
+once a peer progresses while a wait that would let it queues. This thread sleeps until one of the
+waits, or a new step, ends.
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from atoll.errors import InvalidInput
 from atoll.worker.executor.interpreter import StepRun
+
+MAX_STEPS = 256
+"""Steps interleaved on one worker at once (a lane runs one step at a time: jobs attached here)."""
 
 
 @dataclass(eq=False)
@@ -50,11 +55,14 @@ class Interleaver:
         self._entries: list[_Entry] = []
         self._arrived: Future = Future()
         self._thread: threading.Thread | None = None
+        self._waits = ThreadPoolExecutor(max_workers=MAX_STEPS, thread_name_prefix="atoll-wait")
 
     def run(self, run: StepRun) -> None:
         """Run the step to its end among the others (the caller waits); raises what it raised."""
         entry = _Entry(run)
         with self._cond:
+            if len(self._entries) >= MAX_STEPS:
+                raise InvalidInput(f"this worker interleaves {MAX_STEPS} steps already; attach fewer jobs to its bases")
             entry.served = min((e.served for e in self._entries), default=0.0)
             self._entries.append(entry)
             if self._thread is None:
@@ -75,7 +83,7 @@ class Interleaver:
             for entry in entries:
                 if entry.waits is None:
                     try:
-                        entry.waits = _wait_for(entry.run.next_waits(), entry.run.ex.timeout_s)
+                        entry.waits = self._wait_for(entry.run.next_waits(), entry.run.ex.timeout_s)
                     except BaseException as e:  # noqa: BLE001 (the step fails, the others go on)
                         self._end(entry, e)
                         continue
@@ -113,22 +121,15 @@ class Interleaver:
             self._entries.remove(entry)
         entry.finished.set()
 
-
-def _wait_for(handles: list, timeout_s: float) -> Future:
-    """Done once every handle is (at once if they are), or failed with the first one's error."""
-    waited: Future = Future()
-    if all(getattr(h, "done", lambda: False)() for h in handles):
-        waited.set_result(None)
-        return waited
-
-    def wait_all():
-        try:
-            for h in handles:
-                h.wait(timeout_s)
-        except BaseException as e:  # noqa: BLE001 (the interleaver fails the step with it)
-            waited.set_exception(e)
-        else:
+    def _wait_for(self, handles: list, timeout_s: float) -> Future:
+        """Done once every handle is (at once if they are), or failed with the first one's error."""
+        if all(getattr(h, "done", lambda: False)() for h in handles):
+            waited: Future = Future()
             waited.set_result(None)
+            return waited
+        return self._waits.submit(_wait_all, handles, timeout_s)
 
-    threading.Thread(target=wait_all, name="atoll-wait", daemon=True).start()
-    return waited
+
+def _wait_all(handles: list, timeout_s: float) -> None:
+    for h in handles:
+        h.wait(timeout_s)
