@@ -12,7 +12,7 @@ from __future__ import annotations
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.compiler.pipeline import CompiledPipeline
 from atoll.controller.jobs import Job, JobState, JobTable
-from atoll.errors import InvalidInput, NotFound
+from atoll.errors import InvalidInput, NotFound, NotPermitted
 
 
 def resident(jobs: JobTable, name: str) -> Job:
@@ -35,6 +35,16 @@ def cut_like(base: Job, request: pb.PipelineProgram) -> None:
     stage holds them; adapters add operations, so positions in the graph would not do)."""
     if not request.config.split_at:
         request.config.split_at.extend(s.start for s in base.compiled.stages[1:])
+
+
+def readable(job: Job, session: str) -> Job:
+    """The job, if ``session`` may read and save its tensors: an attached job's adapters are its
+    client's alone (a detached one's, whoever holds the cluster token)."""
+    if job.compiled.request.config.base and job.session and session != job.session:
+        raise NotPermitted(
+            f"job {job.job_id} trains adapters of another client: only the client that attached it reads or saves them"
+        )
+    return job
 
 
 def check_fits(compiled: CompiledPipeline, base: Job) -> None:

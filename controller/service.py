@@ -10,6 +10,7 @@ import threading
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.controller import bases
 from atoll.controller.cluster.dispatch import Dispatcher
 from atoll.controller.cluster.fairness import FairGate
 from atoll.controller.cluster.leases import Leases
@@ -150,11 +151,11 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def GetState(self, request, context):
-        return self.state.get_state(self.jobs.ready(request.job_id))
+        return self.state.get_state(bases.readable(self.jobs.ready(request.job_id), request.session))
 
     @rpc_handler
     def Save(self, request, context):
-        return self.state.save(self.jobs.ready(request.job_id), request.path)
+        return self.state.save(bases.readable(self.jobs.ready(request.job_id), request.session), request.path)
 
     @rpc_handler
     def GetPlan(self, request, context):

@@ -4,6 +4,7 @@ PEFT loads, and one tenant's failure leaves the others' training unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import subprocess
 import sys
@@ -78,17 +79,17 @@ def test_adapters_refuse_what_they_cannot_wrap():
 # ---------------------------------------------------------------------------- on a cluster
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Four workers holding the base twice, as a 4-stage pipeline: "llama64" (float64) and
-    "llama32" (float32). Clients' leases run out after 3 s (the dead-tenant test)."""
-    with atoll.LocalCluster(workers=4, lease_timeout_s=3.0) as cluster, cluster.client() as client:
-        bases = {}
-        for name, dtype in (("llama64", torch.float64), ("llama32", torch.float32)):
-            model, batches = lora_cases.base_model(transformers, dtype)
-            base = client.load_base(model, name=name, stages=4, schedule="1f1b", **_settings(batches))
-            bases[name] = (model, batches, base)
-        yield cluster, client, bases
+@contextlib.contextmanager
+def _base(client, name: str, dtype=torch.float64, **layout):
+    """The tiny Llama loaded as the resident base ``name`` (a 4-stage 1F1B pipeline unless
+    ``layout`` says otherwise), closed on the way out: (model, batches, base job)."""
+    model, batches = lora_cases.base_model(transformers, dtype)
+    layout = layout or {"stages": 4}
+    base = client.load_base(model, name=name, schedule="1f1b", **layout, **_settings(batches))
+    try:
+        yield model, batches, base
+    finally:
+        base.close()
 
 
 def _attach(client, name, model, batches, adapter, init):
@@ -119,12 +120,15 @@ def _train_side_by_side(jobs, batches) -> list[list[float]]:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("name", ["llama32", "llama64"])
-def test_four_adapters_on_one_pipelined_base_train_as_peft_does(shared, name):
+def test_four_adapters_on_one_pipelined_base_train_as_peft_does(client4, name):
     """Four adapters (ranks 1-8, targets on every stage) attached to one 4-stage base, trained at
     once: each one's losses match its PEFT reference within 1e-5 (float32 and float64), its weights
     too (float64), and the base's weights are bit-identical before and after."""
-    _, client, bases = shared
-    model, batches, base = bases[name]
+    with _base(client4, name, torch.float32 if name == "llama32" else torch.float64) as (model, batches, base):
+        _train_four(client4, name, model, batches, base)
+
+
+def _train_four(client, name, model, batches, base) -> None:
     before = base.state_dict()
     references, jobs = [], []
     for i, adapter in enumerate(lora_cases.ADAPTERS):
@@ -198,16 +202,21 @@ def _check_memory(model, base, jobs, batches) -> None:
 
 
 @pytest.mark.cluster
-def test_attached_jobs_share_the_workers_by_weight(shared):
+def test_attached_jobs_share_the_workers_by_weight(client4):
     """Two adapters trained at once, 12 steps each, the one of weight 1 started first: the one of
     weight 3 still finishes first on every worker (tests/test_interleave.py holds the shares)."""
-    _, client, bases = shared
-    model, batches, _ = bases["llama32"]
-    x, y = batches[0]
-    jobs = [
-        client.lora(model, base="llama32", weight=w, schedule="1f1b", **lora_cases.ADAPTERS[0], **_settings(batches))
-        for w in (1.0, 3.0)
-    ]
+    with _base(client4, "weighted", torch.float32) as (model, batches, _):
+        x, y = batches[0]
+        jobs = [
+            client4.lora(
+                model, base="weighted", weight=w, schedule="1f1b", **lora_cases.ADAPTERS[0], **_settings(batches)
+            )
+            for w in (1.0, 3.0)
+        ]
+        _train_by_weight(jobs, x, y)
+
+
+def _train_by_weight(jobs, x, y) -> None:
     try:
         _train_side_by_side(jobs, [(x, y)] * 12)
         for worker in range(4):
@@ -220,15 +229,13 @@ def test_attached_jobs_share_the_workers_by_weight(shared):
 
 
 @pytest.mark.cluster
-def test_adapters_follow_a_tensor_parallel_base(shared):
+def test_adapters_follow_a_tensor_parallel_base(client4):
     """A base cut 2 stages x tensor_parallel=2 on the same workers: each adapter is cut as its base
     layer is (B column-parallel under a column-parallel layer, A row-parallel under a row-parallel
     one, the rest whole) and trains as its PEFT reference does, in float64 (losses and weights
     within 1e-5); the base's shards stay bit-identical."""
-    _, client, bases = shared
-    model, batches, _ = bases["llama64"]
-    base = client.load_base(model, name="llama-tp", stages=2, tensor_parallel=2, schedule="1f1b", **_settings(batches))
-    try:
+    client = client4
+    with _base(client, "llama-tp", stages=2, tensor_parallel=2) as (model, batches, base):
         before = base.state_dict()
         adapters = [lora_cases.ADAPTERS[1], lora_cases.ADAPTERS[3]]  # row-parallel layers; q_proj and the head
         references, jobs = [], []
@@ -253,14 +260,21 @@ def test_adapters_follow_a_tensor_parallel_base(shared):
                 job.close()
         after = base.state_dict()
         assert all(torch.equal(after[k], before[k]) for k in before)
-    finally:
-        base.close()
 
 
 @pytest.mark.cluster
-def test_a_saved_adapter_gives_the_jobs_logits_in_peft(shared, tmp_path):
-    _, client, bases = shared
-    model, batches, _ = bases["llama64"]
+def test_a_saved_adapter_gives_the_jobs_logits_in_peft(client4, tmp_path):
+    with _base(client4, "llama64") as (model, batches, _):
+        logits, merged = _train_and_save(client4, model, batches, tmp_path)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter")
+    with torch.no_grad():
+        assert relative_error(logits, loaded(batches[0][0])) <= RTOL
+        plain = copy.deepcopy(model)
+        plain.load_state_dict(merged)
+        assert relative_error(plain(batches[0][0]), logits) <= RTOL
+
+
+def _train_and_save(client, model, batches, tmp_path):
     adapter = lora_cases.ADAPTERS[2]
     wrapped = lora_cases.peft_model(peft, model, adapter, seed=7)
     job = _attach(client, "llama64", model, batches, adapter, lora_cases.adapter_of(peft, wrapped))
@@ -272,18 +286,16 @@ def test_a_saved_adapter_gives_the_jobs_logits_in_peft(shared, tmp_path):
         merged = job.merged_state_dict(model)
     finally:
         job.close()
-    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter")
-    with torch.no_grad():
-        assert relative_error(logits, loaded(batches[0][0])) <= RTOL
-        plain = copy.deepcopy(model)
-        plain.load_state_dict(merged)
-        assert relative_error(plain(batches[0][0]), logits) <= RTOL
+    return logits, merged
 
 
 @pytest.mark.cluster
-def test_attaching_refuses_what_does_not_fit(shared):
-    _, client, bases = shared
-    model, batches, _ = bases["llama64"]
+def test_attaching_refuses_what_does_not_fit(client4):
+    with _base(client4, "llama64") as (model, batches, _):
+        _refusals(client4, model, batches)
+
+
+def _refusals(client, model, batches) -> None:
     adapter = lora_cases.ADAPTERS[0]
     with pytest.raises(atoll.NotFound, match="no resident base named 'nope'"):
         _attach(client, "nope", model, batches, adapter, None)
@@ -303,12 +315,19 @@ def test_attaching_refuses_what_does_not_fit(shared):
 
 
 @pytest.mark.cluster
-def test_a_dead_tenant_leaves_the_others_training_unchanged(shared, tmp_path):
+def test_a_dead_tenant_leaves_the_others_training_unchanged(tmp_path):
     """A second client process trains its adapter on the same base, steps queued, and is killed
     mid-training: this client's adapter still matches its PEFT reference step for step, and the
-    dead tenant's job is closed when its lease runs out."""
-    cluster, client, bases = shared
-    model, batches, _ = bases["llama64"]
+    dead tenant's job is closed when its lease runs out (3 s here). A third client reads none of it."""
+    with (
+        atoll.LocalCluster(workers=4, lease_timeout_s=3.0) as cluster,
+        cluster.client() as client,
+        _base(client, "llama64") as (model, batches, _),
+    ):
+        _survive_a_dead_tenant(cluster, client, model, batches, tmp_path)
+
+
+def _survive_a_dead_tenant(cluster, client, model, batches, tmp_path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(cluster.token)
     tenant = subprocess.Popen(
@@ -329,6 +348,11 @@ def test_a_dead_tenant_leaves_the_others_training_unchanged(shared, tmp_path):
         assert_losses_match(losses, ref_losses, RTOL)
         state = job.adapter_state_dict()
         assert all(relative_error(state[k.removeprefix(lora.PEFT_PREFIX)], v) <= RTOL for k, v in ref_adapter.items())
+        with cluster.client() as other:  # another client holding the token reads no tenant's adapters
+            with pytest.raises(atoll.NotPermitted, match="only the client that attached it"):
+                other.job(job.id).state_dict()
+            with pytest.raises(atoll.NotPermitted, match="only the client that attached it"):
+                other.job(job.id).save(tmp_path / "stolen")
         deadline = time.monotonic() + 30
         while any(j.name == "tenant" and j.state == "ready" for j in client.status().jobs):
             assert time.monotonic() < deadline, "the dead tenant's job was not closed"

@@ -251,7 +251,7 @@ class Job:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights after every step sent so far, with the keys of the model's ``state_dict()``."""
         self._wait_for_sent_steps()
-        reply = self._client._call("GetState", pb.JobRef(job_id=self.id), timeout_s=300.0)
+        reply = self._client._call("GetState", pb.JobRef(job_id=self.id, session=self._client.session), timeout_s=300.0)
         return {t.name: tensor_from_pb(t.tensor, t.name) for t in reply.tensors}
 
     def save(self, path: str | os.PathLike) -> dict:
@@ -261,7 +261,8 @@ class Job:
         replaces the previous one only once complete. Restore with ``pipeline(..., resume_from=path)``,
         in any layout. Returns ``{"path", "version", "step"}``."""
         self._wait_for_sent_steps()
-        reply = self._client._call("Save", pb.SaveRequest(job_id=self.id, path=os.fspath(path)), timeout_s=600.0)
+        request = pb.SaveRequest(job_id=self.id, path=os.fspath(path), session=self._client.session)
+        reply = self._client._call("Save", request, timeout_s=600.0)
         return {"path": reply.path, "version": reply.version, "step": reply.step}
 
     def close(self) -> None:

@@ -71,10 +71,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.turnstile = Turnstile()
         """The order of the island's work (LoadPlan, and every call of a job without a lane)."""
         self._lanes: dict[str, Turnstile] = {}
-        self._interleaver = Interleaver()
-        """Runs the steps of the jobs with lanes an action at a time, in one thread (runtime/worker/interleave.py)."""
         """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept
         after the job is unloaded."""
+        self._interleaver = Interleaver()
+        """Runs the steps of the jobs with lanes an action at a time, in one thread (runtime/worker/interleave.py)."""
         self.relay = Relay(token, self._step_in_turn)
         self.controller_key = ""
         """Set at registration: the key the controller's calls carry (``controller_only``)."""
