@@ -79,6 +79,15 @@ def test_adapters_refuse_what_they_cannot_wrap():
 # ---------------------------------------------------------------------------- on a cluster
 
 
+@pytest.fixture()
+def cluster_client():
+    """A 4-worker cluster of the test's own: adapters and bases leave memory behind in a worker
+    process (about 130 MB each here), which a cluster shared with the rest of the suite would keep
+    while test_large_model needs the machine."""
+    with atoll.LocalCluster(workers=4) as cluster, cluster.client() as client:
+        yield client
+
+
 @contextlib.contextmanager
 def _base(client, name: str, dtype=torch.float64, **layout):
     """The tiny Llama loaded as the resident base ``name`` (a 4-stage 1F1B pipeline unless
@@ -120,12 +129,12 @@ def _train_side_by_side(jobs, batches) -> list[list[float]]:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("name", ["llama32", "llama64"])
-def test_four_adapters_on_one_pipelined_base_train_as_peft_does(client4, name):
+def test_four_adapters_on_one_pipelined_base_train_as_peft_does(cluster_client, name):
     """Four adapters (ranks 1-8, targets on every stage) attached to one 4-stage base, trained at
     once: each one's losses match its PEFT reference within 1e-5 (float32 and float64), its weights
     too (float64), and the base's weights are bit-identical before and after."""
-    with _base(client4, name, torch.float32 if name == "llama32" else torch.float64) as (model, batches, base):
-        _train_four(client4, name, model, batches, base)
+    with _base(cluster_client, name, torch.float32 if name == "llama32" else torch.float64) as (model, batches, base):
+        _train_four(cluster_client, name, model, batches, base)
 
 
 def _train_four(client, name, model, batches, base) -> None:
@@ -202,13 +211,13 @@ def _check_memory(model, base, jobs, batches) -> None:
 
 
 @pytest.mark.cluster
-def test_attached_jobs_share_the_workers_by_weight(client4):
+def test_attached_jobs_share_the_workers_by_weight(cluster_client):
     """Two adapters trained at once, 12 steps each, the one of weight 1 started first: the one of
     weight 3 still finishes first on every worker (tests/test_interleave.py holds the shares)."""
-    with _base(client4, "weighted", torch.float32) as (model, batches, _):
+    with _base(cluster_client, "weighted", torch.float32) as (model, batches, _):
         x, y = batches[0]
         jobs = [
-            client4.lora(
+            cluster_client.lora(
                 model, base="weighted", weight=w, schedule="1f1b", **lora_cases.ADAPTERS[0], **_settings(batches)
             )
             for w in (1.0, 3.0)
@@ -229,12 +238,12 @@ def _train_by_weight(jobs, x, y) -> None:
 
 
 @pytest.mark.cluster
-def test_adapters_follow_a_tensor_parallel_base(client4):
+def test_adapters_follow_a_tensor_parallel_base(cluster_client):
     """A base cut 2 stages x tensor_parallel=2 on the same workers: each adapter is cut as its base
     layer is (B column-parallel under a column-parallel layer, A row-parallel under a row-parallel
     one, the rest whole) and trains as its PEFT reference does, in float64 (losses and weights
     within 1e-5); the base's shards stay bit-identical."""
-    client = client4
+    client = cluster_client
     with _base(client, "llama-tp", stages=2, tensor_parallel=2) as (model, batches, base):
         before = base.state_dict()
         adapters = [lora_cases.ADAPTERS[1], lora_cases.ADAPTERS[3]]  # row-parallel layers; q_proj and the head
@@ -263,9 +272,9 @@ def test_adapters_follow_a_tensor_parallel_base(client4):
 
 
 @pytest.mark.cluster
-def test_a_saved_adapter_gives_the_jobs_logits_in_peft(client4, tmp_path):
-    with _base(client4, "llama64") as (model, batches, _):
-        logits, merged = _train_and_save(client4, model, batches, tmp_path)
+def test_a_saved_adapter_gives_the_jobs_logits_in_peft(cluster_client, tmp_path):
+    with _base(cluster_client, "llama64") as (model, batches, _):
+        logits, merged = _train_and_save(cluster_client, model, batches, tmp_path)
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "adapter")
     with torch.no_grad():
         assert relative_error(logits, loaded(batches[0][0])) <= RTOL
@@ -290,9 +299,9 @@ def _train_and_save(client, model, batches, tmp_path):
 
 
 @pytest.mark.cluster
-def test_attaching_refuses_what_does_not_fit(client4):
-    with _base(client4, "llama64") as (model, batches, _):
-        _refusals(client4, model, batches)
+def test_attaching_refuses_what_does_not_fit(cluster_client):
+    with _base(cluster_client, "llama64") as (model, batches, _):
+        _refusals(cluster_client, model, batches)
 
 
 def _refusals(client, model, batches) -> None:
