@@ -115,7 +115,7 @@ def blocks(args) -> int:
     return args.layers + 2
 
 
-class _LlamaLogits(torch.nn.Module):
+class LlamaLogits(torch.nn.Module):
     """A Hugging Face causal LM returning its logits alone."""
 
     def __init__(self, lm):
@@ -134,7 +134,7 @@ def make_llama(args, vocab: int) -> torch.nn.Module:
         vocab_size=vocab, hidden_size=args.d_model, intermediate_size=4 * args.d_model, num_hidden_layers=args.layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.block_size, use_cache=False,
     )  # fmt: skip
-    return _LlamaLogits(transformers.LlamaForCausalLM(config))
+    return LlamaLogits(transformers.LlamaForCausalLM(config))
 
 
 def gpt_split_points(args, pipeline: int) -> list:

@@ -28,31 +28,18 @@ import threading
 import time
 
 import torch
-from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dispatch import process_pids  # noqa: E402
+from layouts import LlamaLogits  # noqa: E402
 from pipeline import CpuMeter  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.client import lora  # noqa: E402
+from examples.gpt import lm_loss  # noqa: E402
 
 TARGETS = (["q_proj", "v_proj"], ["o_proj", "down_proj"], ["k_proj", "gate_proj", "up_proj"], ["q_proj", "up_proj"])
-
-
-class Logits(nn.Module):
-    """A transformers causal LM returning its logits only (what the loss reads)."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens):
-        return self.lm(input_ids=tokens).logits
-
-
-def lm_loss(logits, targets):
-    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def build(args):
@@ -65,7 +52,7 @@ def build(args):
         num_key_value_heads=max(1, args.hidden // 64),
         max_position_embeddings=args.seq, use_cache=False,
     )  # fmt: skip
-    model = Logits(transformers.LlamaForCausalLM(config))
+    model = LlamaLogits(transformers.LlamaForCausalLM(config))
     g = torch.Generator().manual_seed(1)
     batches = [
         (torch.randint(0, args.vocab, (args.batch, args.seq), generator=g),) * 2

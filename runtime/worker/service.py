@@ -144,6 +144,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._ledgers[request.job_id] = StepLedger(request.store_namespace)
             if base is not None:
                 self._lanes[request.job_id] = Turnstile()
+                if executor.interleavable:
+                    executor.interleaver = self._interleaver
         log.info("loaded job %s as worker %d (%d actions)", request.job_id, request.mesh.worker, len(request.actions))
         return pb.LoadPlanReply(parameter_bytes=executor.parameter_bytes)
 
@@ -233,12 +235,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
             inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
             targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
-            with self._lock:
-                lane = request.job_id in self._lanes
-            interleaver = self._interleaver if lane and executor.interleavable else None
-            losses, memory, outputs = executor.run_step(
-                inputs, targets, request.mode or "train", request.step, interleaver
-            )
+            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled

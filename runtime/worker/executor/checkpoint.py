@@ -20,12 +20,11 @@ def _base_names(ex: PipelineExecutor, stage) -> set[str]:
 
 
 def state_dict(ex: PipelineExecutor) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone()
-        for stage in ex.stages.values()
-        for k, v in stage.graph.state_dict().items()
-        if k not in _base_names(ex, stage)
-    }
+    out = {}
+    for stage in ex.stages.values():
+        theirs = _base_names(ex, stage)
+        out.update({k: v.detach().clone() for k, v in stage.graph.state_dict().items() if k not in theirs})
+    return out
 
 
 def checkpoint_tensors(ex: PipelineExecutor) -> dict[str, torch.Tensor]:

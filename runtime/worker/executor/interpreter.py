@@ -89,6 +89,9 @@ class PipelineExecutor:
         self.timeout_s = settings.data_plane_timeout_s
         self.weight = settings.weight
         """Its share against other jobs' steps interleaved with its own (runtime/worker/interleave.py)."""
+        self.interleaver = None
+        """Set at load time for a job whose steps run an action at a time among other jobs' steps
+        (runtime/worker/interleave.py, ``interleavable``); None: its steps run in the caller's thread."""
         self.device = device
         self.last_stage = self.flow.num_stages - 1
         self._lock = threading.Lock()
@@ -192,12 +195,10 @@ class PipelineExecutor:
         targets: list[torch.Tensor] | None,
         mode: str = "train",
         step: int = 0,
-        interleaver=None,
     ):
         """Run the action list once (or its forward actions, see STEP_MODES) as the client's step
         number ``step`` (1 = the job's first); returns (per-microbatch losses, measured memory,
-        the last stage's full-batch output in forward mode). ``interleaver``
-        (runtime/worker/interleave.py) runs it an action at a time among other jobs' steps."""
+        the last stage's full-batch output in forward mode)."""
         if mode not in STEP_MODES:
             raise ValueError(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
         with self._lock:
@@ -205,11 +206,11 @@ class PipelineExecutor:
                 raise ActionFailed(f"rank {self.rank}: an earlier step failed ({self.failure}); submit the job again")
             run = StepRun(self, StepState(mode, self._split(inputs), self._split(targets), spans=StepSpans(step)))
             try:
-                if interleaver is None:
+                if self.interleaver is None:
                     while run.advance():
                         pass
                 else:
-                    interleaver.run(run)
+                    self.interleaver.run(run)
                 return run.result()
             finally:
                 run.close()
