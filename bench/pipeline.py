@@ -30,8 +30,10 @@ more processes than cores, the rates follow it. Nothing here asserts on time.
 
 With ``--device cuda`` the peer is the same model trained in one process on the same GPU (same
 microbatches, optimizer and batches; no pipeline, so no bubble): ratio = atoll / single process.
-The atoll workers all share that GPU and talk over CUDA IPC. The report adds each rank's measured
-waiting fraction (time blocked on the data plane over the step's wall time).
+The atoll workers all share that GPU and talk over CUDA IPC; with ``--mps`` they share it through
+a CUDA MPS daemon of the cluster's own (``LocalCluster(cuda_mps=True)``), so their kernels overlap
+instead of taking turns (the single process is no MPS client: it has the GPU to itself). The
+report adds each rank's measured waiting fraction (time blocked on the data plane over the step's wall time).
 """
 
 from __future__ import annotations
@@ -470,7 +472,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--mps", action="store_true", help="with --device cuda: the workers share the GPU through CUDA MPS"
+    )
     args = parser.parse_args()
+    if args.mps and args.device != "cuda":
+        parser.error("--mps needs --device cuda")
     args.threads = max(1, (os.cpu_count() or 1) // args.ranks)
     if args.device == "cuda" and args.threads > 4:
         args.threads = 4  # the GPU does the work; more host threads per worker only contend
@@ -479,7 +486,9 @@ def main() -> None:
     rows = []
     devices = ["cuda:0"] * args.ranks if args.device == "cuda" else None
     with (
-        atoll.LocalCluster(workers=args.ranks, threads_per_worker=args.threads, devices=devices) as cluster,
+        atoll.LocalCluster(
+            workers=args.ranks, threads_per_worker=args.threads, devices=devices, cuda_mps=args.mps
+        ) as cluster,
         cluster.client() as client,
     ):
         schedules = args.schedules.split(",")
@@ -509,6 +518,7 @@ def main() -> None:
                 "benchmark": "pipeline",
                 "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 "peer": "one process on the same GPU" if args.device == "cuda" else "torch.distributed.pipelining",
+                "cuda_mps": args.mps,
                 "dtype": args.dtype,
                 "block_size": args.block_size,
                 "ranks": args.ranks,

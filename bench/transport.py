@@ -128,18 +128,18 @@ def main() -> None:
         gloo = between_processes_gbps("gloo", nbytes, args.gloo_iters, 2)
         for depth in args.depths:
             ipc = between_processes_gbps("cuda_ipc", nbytes, args.iters, depth)
-            rows.append(
-                {
-                    "megabytes": mb,
-                    "receives_posted_ahead": depth,
-                    "raw_device_copy_GBps": round(raw, 1),
-                    "atoll_cuda_ipc_GBps": round(ipc["gbps"], 1),
-                    "ratio_cuda_ipc_to_raw": round(ipc["gbps"] / raw, 3),
-                    "atoll_gloo_pinned_host_GBps": round(gloo["gbps"], 2),
-                    "ratio_cuda_ipc_to_gloo": round(ipc["gbps"] / gloo["gbps"], 1),
-                    "payloads_equal_source": bool(ipc["checked"] and gloo["checked"]),
-                }
-            )
+            row = {
+                "megabytes": mb,
+                "receives_posted_ahead": depth,
+                "raw_device_copy_GBps": round(raw, 1),
+                "atoll_cuda_ipc_GBps": round(ipc["gbps"], 1),
+                "ratio_cuda_ipc_to_raw": round(ipc["gbps"] / raw, 3),
+                "atoll_gloo_pinned_host_GBps": round(gloo["gbps"], 2),
+                "ratio_cuda_ipc_to_gloo": round(ipc["gbps"] / gloo["gbps"], 1),
+                "payloads_equal_source": bool(ipc["checked"] and gloo["checked"]),
+            }
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)  # what a run cut short still shows
     print(
         json.dumps(
             {

@@ -9,6 +9,7 @@ the order of floating-point accumulation, and the GPU's reductions are not order
 import copy
 import datetime
 import json
+import shutil
 
 import pytest
 import torch
@@ -188,3 +189,34 @@ def test_evaluate_and_forward_on_cuda_workers_match_the_model(gpu_client):
         ref_output = reference(x.cuda()).cpu()
     assert abs(loss - ref_loss) <= GPU_RTOL * abs(ref_loss), f"evaluate {loss} vs {ref_loss}"
     assert relative_error(output, ref_output) <= GPU_RTOL
+
+
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is None, reason="needs CUDA MPS (nvidia-cuda-mps-control)")
+def test_workers_sharing_a_gpu_through_their_own_mps_daemon_match_single_process_cuda():
+    model, batches = gpt(layers=2, steps=3)
+    args = {"lr": 0.05, "momentum": 0.9}
+    with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1, cuda_mps=True) as cluster:
+        pipe_dir = cluster.log_dir / "mps" / "pipe"
+        with cluster.client() as client:
+            x, y = batches[0]
+            job = client.pipeline(
+                model,
+                example_input=x,
+                example_target=y,
+                loss_fn=lm_loss,
+                stages=2,
+                microbatches=4,
+                device="cuda",
+                optimizer="sgd",
+                optimizer_args=args,
+            )
+            try:
+                losses = [job.step(xb, yb) for xb, yb in batches]
+                state = job.state_dict()
+                assert [e["transport"] for e in job.plan.report["edges"]] == ["cuda_ipc"]
+            finally:
+                job.close()
+        assert any(pipe_dir.iterdir()), "the cluster's MPS control daemon made no pipe"
+    cuda_batches = [(xb.cuda(), yb.cuda()) for xb, yb in batches]
+    ref_losses, ref_state = train_reference(copy.deepcopy(model).cuda(), cuda_batches, lm_loss, 4, "sgd", args)
+    assert_matches_reference(losses, state, ref_losses, {k: v.cpu() for k, v in ref_state.items()}, rtol=GPU_RTOL)

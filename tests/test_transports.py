@@ -64,6 +64,11 @@ def test_peer_table_is_symmetric_and_skips_a_rank_talking_to_itself():
     assert table == {0: ["", "cuda_ipc", ""], 1: ["cuda_ipc", "", "nccl"], 2: ["", "nccl", ""]}
 
 
+def test_cuda_mps_is_refused_for_a_cluster_without_cuda_workers():
+    with pytest.raises(ValueError, match="cuda_mps=True needs CUDA workers"):
+        atoll.LocalCluster(workers=2, cuda_mps=True)
+
+
 def test_a_cuda_job_on_cpu_workers_is_refused_clearly(client4):
     with pytest.raises(atoll.NotEnoughWorkers, match="needs 2 workers of device kind 'cuda' .* but 0 are alive"):
         submit(client4, stages=2, microbatches=2, device="cuda")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from atoll.client.client import Client, connect
+from atoll.client.cuda_mps import CudaMps
 from atoll.client.zygote import ForkedProcess, Zygote
 from atoll.errors import WorkerUnavailable
 from atoll.net.auth import create_token_file
@@ -48,6 +49,9 @@ class LocalCluster:
     raised (a job failed, say) or when a daemon exited with an error, and then named in one line
     on stderr.
 
+    ``cuda_mps`` starts a private CUDA MPS daemon for the cluster's workers, so workers that
+    share a GPU run their kernels side by side instead of taking turns (atoll.client.cuda_mps).
+
     ``metrics_port`` (0: a free one) has the controller serve Prometheus metrics at
     ``http://{metrics_address}/metrics``. ``state_dir`` has the controller record its workers and
     jobs there (``atoll controller --state-dir``; README "Operations").
@@ -70,6 +74,7 @@ class LocalCluster:
         islands: list[str] | None = None,
         metrics_port: int | None = None,
         state_dir: str | os.PathLike | None = None,
+        cuda_mps: bool = False,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -78,6 +83,10 @@ class LocalCluster:
         self.devices = list(devices) if devices is not None else ["cpu"] * workers
         if islands is not None and len(islands) != workers:
             raise ValueError(f"islands names {len(islands)} islands for {workers} workers")
+        if cuda_mps and not any(d.startswith("cuda") for d in self.devices):
+            raise ValueError("cuda_mps=True needs CUDA workers: devices names none")
+        self.cuda_mps = cuda_mps
+        self._mps: CudaMps | None = None
         self.islands = list(islands) if islands is not None else [""] * workers
         self.num_workers = workers
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
@@ -111,6 +120,8 @@ class LocalCluster:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self._mps is not None:
+            env.update(self._mps.env)
         return env
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
@@ -156,6 +167,8 @@ class LocalCluster:
         self.token = create_token_file(token_file)
         deadline = time.monotonic() + self.startup_timeout_s
         try:
+            if self.cuda_mps:
+                self._mps = CudaMps(self.log_dir / "mps")
             if hasattr(os, "fork") and sys.platform.startswith("linux"):
                 zygote_log = open(self.log_dir / "zygote.log", "w")
                 self._logs.append(zygote_log)
@@ -246,6 +259,9 @@ class LocalCluster:
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        if self._mps is not None:
+            self._mps.stop()
+            self._mps = None
         for log in self._logs:
             log.close()
         self._logs.clear()

@@ -182,9 +182,16 @@ class PipelineExecutor:
                 total += -(-spec.nbytes // align) * align
         self.recv_region = torch.empty(max(total, align), dtype=torch.uint8, device=self.device)
         out: dict = {key: [] for key in specs_of}
+        storage = self.recv_region.untyped_storage()
         for key, spec, offset in offsets:
-            raw = self.recv_region[offset : offset + spec.nbytes]
-            out[key].append(raw.view(spec.torch_dtype).view(spec.shape))
+            # Not a view of the region: views share their base's autograd version counter, so a
+            # write into one buffer (gloo's staged copy-in) would invalidate activations that
+            # autograd saved from every other buffer. Each buffer counts its own writes, as the
+            # separate allocations on CPU do.
+            buffer = torch.empty(0, dtype=spec.torch_dtype, device=self.device)
+            item = buffer.element_size()
+            assert offset % item == 0
+            out[key].append(buffer.set_(storage, offset // item, spec.shape))
         return out
 
     # ------------------------------------------------------------------ one step

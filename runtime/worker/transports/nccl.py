@@ -43,7 +43,10 @@ class NcclTransport:
             raise DataPlaneError("this worker's torch has no NCCL; the plan chose nccl for one of its edges")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = store.prefixed("nccl/")  # NCCL meets lazily, at its first call: the store must live on
+        # NCCL meets lazily, at its first call: the store must live on. A worker's ControllerStore
+        # makes its own prefixed copy; any other torch Store is wrapped.
+        prefixed = getattr(store, "prefixed", None)
+        self._store = prefixed("nccl/") if prefixed else dist.PrefixStore("nccl/", store)
         try:
             self.group = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
         except RuntimeError as e:

@@ -1,0 +1,55 @@
+"""CUDA MPS for workers that share one GPU: their kernels then run side by side.
+
+Without MPS a GPU runs one process's context at a time and switches between them by time
+slices, so four pipeline workers on one GPU take turns even where their work could overlap.
+The MPS server holds one context for all its clients instead. Measured on a lent H200 (GPT,
+8 layers, d_model 512, 4-stage 1F1B over cuda_ipc, `bench/pipeline.py --device cuda`): the
+pipeline ran at 0.83x one process on the same GPU without MPS and 1.04x with it.
+
+A private control daemon per cluster: its pipe and log folders are given to every daemon the
+cluster starts through the environment (CUDA reads them when a process first touches the GPU),
+and ``stop`` asks it to quit, which also ends the server it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+CONTROL = "nvidia-cuda-mps-control"
+
+
+class CudaMps:
+    def __init__(self, folder: Path, timeout_s: float = 10.0):
+        binary = shutil.which(CONTROL)
+        if binary is None:
+            raise RuntimeError(f"cuda_mps: {CONTROL} is not on PATH (it ships with the NVIDIA driver)")
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(folder / "log"),
+        }
+        for path in self.env.values():
+            os.makedirs(path, exist_ok=True)
+        self._binary, self._timeout_s = binary, timeout_s
+        started = self._control(["-d"])
+        if started.returncode != 0:
+            raise RuntimeError(f"cuda_mps: {CONTROL} -d failed ({started.returncode}): {started.stdout.strip()}")
+
+    def _control(self, args: list[str], command: str = "") -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self._binary, *args],
+            input=command,
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            timeout=self._timeout_s,
+        )
+
+    def stop(self) -> None:
+        """Quit the control daemon (and its server); call after every client process exited."""
+        try:
+            self._control([], "quit\n")
+        except (OSError, subprocess.SubprocessError):
+            pass
