@@ -28,13 +28,15 @@ class StateStore:
     load_timeout_s: float
 
     def get_state(self, job: Job) -> pb.StateReply:
-        # every replica holds the same weights: replica 0's are read, from every rank of each island
+        # every replica holds the same weights: replica 0's are read, from every rank of each island;
+        # under ZeRO-3 every replica is asked, since they gather the weights from each other's shards
         compiled = job.compiled
         replica0 = job.workers[: compiled.topology.ranks * compiled.topology.tensor_parallel]
-        calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in replica0]
+        asked = job.workers if compiled.request.config.zero == 3 else replica0
+        calls = [Call(w, "GetState", pb.GetStateRequest(job_id=job.job_id)) for w in asked]
         with job.order:  # after every step the client has sent so far
             pending = self.gang.dispatch(calls, self.step_timeout_s, lane=job.lane)
-        replies = pending.replies()
+        replies = pending.replies()[: len(replica0)]
         pieces: dict[str, dict[int, pb.TensorData]] = {}  # name -> island rank -> tensor
         for i, reply in enumerate(replies):
             for t in reply.tensors:  # a tied parameter comes from each holder, alike
@@ -83,8 +85,6 @@ class StateStore:
         ``path``; the manifest and the switch of ``current`` come last (atoll.core.checkpoint).
         Returns (version directory, step); a failed save removes its version and raises DispatchError."""
         compiled, topo = job.compiled, job.compiled.topology
-        if compiled.request.config.zero:
-            raise InvalidInput("checkpoints of ZeRO-1 jobs are not built yet (the optimizer state is a flat shard)")
         with job.order:  # after every step the client has sent so far
             step = job.steps  # training steps taken (the client waits for its steps before saving)
             version = checkpoint.new_version(path, step)
@@ -94,6 +94,10 @@ class StateStore:
                 Call(w, "SaveState", pb.SaveStateRequest(job_id=job.job_id, directory=str(version), file=files[i]))
                 for i, w in replica0
             ]
+            if compiled.request.config.zero:  # the other replicas gather their shards with replica 0, writing nothing
+                others = job.workers[len(replica0) :]
+                empty = pb.SaveStateRequest(job_id=job.job_id, directory=str(version))
+                calls += [Call(w, "SaveState", empty) for w in others]
             pending = self.gang.dispatch(calls, self.step_timeout_s, lane=job.lane)
         try:
             replies = pending.settle().replies()  # no worker still writing when a failed version goes
@@ -110,7 +114,7 @@ class StateStore:
             "files": [
                 {"file": files[i], "rank": topo.coordinates(i)[1], "tp": topo.coordinates(i)[2]}
                 | {"keys": {s.key: [list(s.shape), s.dtype] for s in r.tensors}}
-                for (i, _), r in zip(replica0, replies)
+                for (i, _), r in zip(replica0, replies)  # replica 0's, first
             ],
         }
         checkpoint.commit(version, manifest)

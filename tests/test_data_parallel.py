@@ -116,30 +116,6 @@ def test_hugging_face_gpt2_on_two_replicas_matches_single_process(client4, stage
     assert_matches_reference(losses, state, ref_losses, ref_state)
 
 
-def test_zero1_keeps_half_the_optimizer_state_per_replica(client4):
-    """With 2 replicas, ZeRO-1's optimizer state per worker is 1/2 of plain data parallelism's
-    (AdamW: two moments per element), as the workers count it and as the plan predicts."""
-    optimizer_bytes = {}
-    for zero in (0, 1):
-        model, batches, loss_fn = models.transformer()
-        x, y = batches[0]
-        job = client4.pipeline(
-            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2,
-            optimizer="adamw", data_parallel=2, zero=zero,
-        )  # fmt: skip
-        try:
-            for x, y in batches[:2]:  # the optimizer state exists from the first update on
-                job.step(x, y)
-            measured = {w: m["peak"]["optimizer"] for w, m in job.last.memory.items()}
-            predicted = {r: m["optimizer"] for r, m in job.plan.predicted_memory.items()}
-        finally:
-            job.close()
-        assert measured == {w: predicted[w % 2] for w in range(4)}
-        optimizer_bytes[zero] = measured
-    for w in range(4):
-        assert abs(optimizer_bytes[1][w] / optimizer_bytes[0][w] - 0.5) <= 0.05 * 0.5, (w, optimizer_bytes)
-
-
 def test_bad_data_parallel_layouts_are_refused_before_loading(client4):
     model, batches, loss_fn = models.mlp()
     x, y = batches[0]  # 32 rows
@@ -150,8 +126,9 @@ def test_bad_data_parallel_layouts_are_refused_before_loading(client4):
         client4.pipeline(model, stages=1, microbatches=32, data_parallel=2, **args)
     with pytest.raises(atoll.NotEnoughWorkers, match="needs 6 workers"):
         client4.pipeline(model, stages=3, microbatches=2, data_parallel=2, **args)
-    with pytest.raises(atoll.InvalidInput, match="zero=1 shards .*: needs data_parallel > 1"):
-        client4.pipeline(model, stages=2, microbatches=2, zero=1, **args)
-    with pytest.raises(atoll.InvalidInput, match="zero must be 0 or 1"):
-        client4.pipeline(model, stages=1, microbatches=2, data_parallel=2, zero=3, **args)
+    for zero in (1, 2, 3):
+        with pytest.raises(atoll.InvalidInput, match=f"zero={zero} shards .*: needs data_parallel > 1"):
+            client4.pipeline(model, stages=2, microbatches=2, zero=zero, **args)
+    with pytest.raises(atoll.InvalidInput, match="zero must be 0, 1, 2 or 3"):
+        client4.pipeline(model, stages=1, microbatches=2, data_parallel=2, zero=4, **args)
     assert all(not w.jobs for w in client4.status().workers)

@@ -13,10 +13,10 @@ def check_config(cfg: JobConfig) -> None:
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
     if cfg.dispatch not in DISPATCH_MODES:
         raise InvalidInput(f"dispatch must be one of {', '.join(DISPATCH_MODES)}; got {cfg.dispatch!r}")
-    if cfg.zero not in (0, 1):
-        raise InvalidInput(f"zero must be 0 or 1 (ZeRO stage 1), got {cfg.zero}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise InvalidInput(f"zero must be 0, 1, 2 or 3 (a ZeRO stage), got {cfg.zero}")
     if cfg.zero and cfg.data_parallel < 2:
-        raise InvalidInput("zero=1 shards the optimizer state across data-parallel replicas: needs data_parallel > 1")
+        raise InvalidInput(f"zero={cfg.zero} shards model state across data-parallel replicas: needs data_parallel > 1")
     if cfg.data_parallel > 1 and cfg.device != "cpu":
         raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
     if cfg.tensor_parallel > 1 and cfg.device != "cpu":
@@ -38,8 +38,6 @@ def check_config(cfg: JobConfig) -> None:
         )
     if cfg.auto_resume and not cfg.checkpoint_path:
         raise InvalidInput("auto_resume restores from a checkpoint: it needs checkpoint_path")
-    if cfg.auto_resume and cfg.zero:
-        raise InvalidInput("auto_resume needs checkpoints, which ZeRO-1 jobs do not have yet")
     if cfg.checkpoint_every < 1:
         raise InvalidInput(f"checkpoint_every must be a positive number of steps, got {cfg.checkpoint_every}")
     if not cfg.weight > 0:

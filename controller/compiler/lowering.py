@@ -11,7 +11,8 @@ the rank's previous compute (gloo only moves the data once the receive is posted
 posted right after the compute that produces them and completed before STEP. Each receive gets a
 buffer slot, allocated once at load time and reused when the previous occupant's backward is done.
 A rank holding a tied parameter runs REDUCE_GRAD just before STEP; with data-parallel replicas,
-every rank then runs ALL_REDUCE_GRAD (the replicas' identical lists meet there).
+every rank then runs ALL_REDUCE_GRAD (the replicas' identical lists meet there). Under ZeRO-3 every
+rank first runs GATHER_PARAMS, its parameters gathered from the replicas' shards.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def _sends_of(c: Action, routes: Routes) -> list[Action]:
     return []
 
 
-def lower(schedule: Schedule, topo: Topology, routes: Routes) -> Lowered:
+def lower(schedule: Schedule, topo: Topology, routes: Routes, gather: bool = False) -> Lowered:
+    """``gather``: ZeRO-3, each rank's parameters are gathered at the start of every step."""
     actions: dict[int, list[Action]] = {}
     for rank, computes in schedule.items():
         recvs = [_recv_of(c, routes) for c in computes]
-        out: list[Action] = []
+        out: list[Action] = [Action(topo.stages_of(rank)[0], Kind.GATHER_PARAMS)] if gather else []
         for i, c in enumerate(computes):
             ahead = [0, 1] if i == 0 else [i + 1]
             out.extend(recvs[j] for j in ahead if j < len(computes) and recvs[j] is not None)

@@ -121,22 +121,53 @@ def optimizer_state_bytes(name: str, args: dict, params: Sequence[torch.Tensor])
 class RankMemory:
     peak: MemorySnapshot
     peak_stashed_microbatches: int
+    at_step: MemorySnapshot | None = None
+    """At the optimizer step: the model state as the ZeRO paper counts it."""
 
 
-def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes: int, buffer_bytes: int) -> RankMemory:
+@dataclass(frozen=True, slots=True)
+class ZeroLayout:
+    """A job's ZeRO stage over its data-parallel replicas (runtime/worker/executor/zero.py)."""
+
+    stage: int
+    replicas: int
+
+    def bytes_of(self, params: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """(the flat buffer's bytes, padded to equal shards; one shard's bytes)."""
+        shard = math.ceil(sum(p.numel() for p in params) / self.replicas)
+        item = params[0].element_size() if params else 0
+        return shard * self.replicas * item, shard * item
+
+
+def predict_rank(
+    actions,
+    stage_memory: dict[int, StageMemory],
+    optimizer_bytes: int,
+    buffer_bytes: int,
+    zero: tuple[int, int, int] | None = None,
+) -> RankMemory:
+    """``zero``: (stage, flat buffer bytes, shard bytes) of the rank's trainable parameters."""
+    trainable = sum(stage_memory[s].gradient_bytes for s in stage_memory)
     parameters = sum(stage_memory[s].parameter_bytes for s in stage_memory)
-    activations, stashed, peak, peak_stashed = 0, 0, MemorySnapshot(), 0
+    if zero is not None:  # laid out in the flat buffer (ZeRO-3: only this replica's shard of it)
+        stage, flat, shard = zero
+        parameters += (shard if stage == 3 else flat) - trainable
+    activations, stashed, peak, peak_stashed, at_step = 0, 0, MemorySnapshot(), 0, None
     stages_with_grads: set[int] = set()
+    reduced: int | None = None  # the gradient bytes once the replicas' reduction has run
 
-    def observe():
-        nonlocal peak, peak_stashed
+    def observe(step: bool = False):
+        nonlocal peak, peak_stashed, at_step
+        grads = sum(stage_memory[s].gradient_bytes for s in stages_with_grads)
         snap = MemorySnapshot(
             parameters=parameters,
-            gradients=sum(stage_memory[s].gradient_bytes for s in stages_with_grads),
+            gradients=grads if reduced is None else reduced,
             optimizer=optimizer_bytes,
             activations=activations,
             buffers=buffer_bytes,
         )
+        if step:
+            at_step = snap
         if snap.total > peak.total:
             peak = snap
         peak_stashed = max(peak_stashed, stashed)
@@ -161,9 +192,16 @@ def predict_rank(actions, stage_memory: dict[int, StageMemory], optimizer_bytes:
             stashed -= 1
             stages_with_grads.add(a.stage)
             observe()
-        elif a.kind.memory == "observe":
+        elif a.kind.memory == "gather" and zero is not None:
+            parameters += zero[1]
             observe()
-    return RankMemory(peak, peak_stashed)
+        elif a.kind.memory == "reduce" and zero is not None:
+            reduced = zero[1] if zero[0] == 1 else zero[2]  # ZeRO-1 keeps the whole average
+            if zero[0] == 3:
+                parameters -= zero[1]
+        elif a.kind.memory == "observe":
+            observe(step=a.kind.category == "step")
+    return RankMemory(peak, peak_stashed, at_step)
 
 
 def buffer_bytes(lowered: Lowered, rank: int, routes: Routes) -> int:
@@ -183,21 +221,25 @@ def predict(
     optimizer: str,
     optimizer_args: dict,
     routes: Routes,
-    zero_shards: int = 1,
+    zero: ZeroLayout | None = None,
 ) -> dict[int, RankMemory]:
-    """Per rank. With ZeRO-1 over ``zero_shards`` replicas, a rank's optimizer steps one shard of
-    its parameters' flat buffer (runtime/worker/executor/zero.py): one tensor of ceil(elements / shards)."""
+    """Per rank. Under ZeRO a rank's trainable parameters are one flat buffer, padded to equal
+    shards, and its optimizer steps one shard of it (runtime/worker/executor/zero.py): one tensor
+    of ceil(elements / replicas)."""
     out = {}
     for rank in range(topo.ranks):
         stages = topo.stages_of(rank)
         params = [p for s in stages for p in stage_params[s]]
-        if zero_shards > 1 and params:
-            shard = math.ceil(sum(p.numel() for p in params) / zero_shards)
-            params = [torch.empty(shard, dtype=params[0].dtype, device="meta")]
+        layout = None
+        if zero is not None and params:
+            flat, shard = zero.bytes_of(params)
+            layout = (zero.stage, flat, shard)
+            params = [torch.empty(shard // params[0].element_size(), dtype=params[0].dtype, device="meta")]
         out[rank] = predict_rank(
             lowered.actions[rank],
             {s: stage_memory[s] for s in stages},
             optimizer_state_bytes(optimizer, optimizer_args, params),
             buffer_bytes(lowered, rank, routes),
+            layout,
         )
     return out

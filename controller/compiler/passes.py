@@ -199,7 +199,7 @@ def measure_stages(st: CompileState) -> None:
 def schedule(st: CompileState) -> None:
     """Reads the topology and routes; adds the lowered per-rank action lists (the schedule as data,
     lowered per edge: SEND/RECV or local hand-off, receive slots, per-step collectives)."""
-    st.lowered = lower(build_schedule(st.topology), st.topology, st.routes)
+    st.lowered = lower(build_schedule(st.topology), st.topology, st.routes, gather=st.config.zero == 3)
 
 
 def simulate_plan(st: CompileState) -> None:
@@ -229,7 +229,7 @@ def predict_memory(st: CompileState) -> None:
         cfg.optimizer,
         cfg.optimizer_args,
         st.routes,
-        zero_shards=cfg.data_parallel if cfg.zero else 1,
+        zero=memory_plan.ZeroLayout(cfg.zero, cfg.data_parallel) if cfg.zero else None,
     )
 
 

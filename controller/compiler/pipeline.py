@@ -202,7 +202,11 @@ def build_report(c: CompiledPipeline, placement: dict[int, str]) -> PlanReport:
         predicted_bubble_fraction=c.timeline.bubble_fraction,
         predicted_communication={str(r): m for r, m in c.communication.items()},
         predicted_memory={
-            str(r): {**m.peak.as_dict(), "peak_stashed_microbatches": m.peak_stashed_microbatches}
+            str(r): {
+                **m.peak.as_dict(),
+                "peak_stashed_microbatches": m.peak_stashed_microbatches,
+                **({"at_step": m.at_step.as_dict()} if m.at_step is not None else {}),
+            }
             for r, m in c.memory.items()
         },
         warnings=[w for s in c.stages if s.sharding is not None and (w := whole_warning(s.index, s.sharding))],

@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default=None, choices=SCHEDULE_CHOICES, help="pipeline schedule (overrides build())")
     p.add_argument("--virtual-stages", type=int, default=None, help="model chunks per rank (interleaved_1f1b)")
     p.add_argument("--data-parallel", type=int, default=None, help="replicas of the pipeline (workers = stages x N)")
-    p.add_argument("--zero", type=int, default=None, choices=[0, 1], help="1: ZeRO-1 over the replicas")
+    p.add_argument(
+        "--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage over the replicas (JobConfig.zero)"
+    )
     p.add_argument("--tensor-parallel", type=int, default=None, help="workers per stage, the stage sharded over them")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: slice the sequence")
     p.add_argument("--rematerialize", action="store_true", help="recompute activations in backward, not stash them")

@@ -112,8 +112,12 @@ class Client(Connection):
         (``stages * D`` in all): each replica takes 1/D of every batch (split into
         ``microbatches`` of its own) and the replicas average their gradients before every
         optimizer step, so training matches one process running all ``microbatches * D``
-        microbatches of the batch. ``zero=1`` (ZeRO stage 1) has each replica keep and step only
-        its 1/D of the optimizer state, the updated parameters then all-gathered.
+        microbatches of the batch. ``zero`` shards model state over the replicas as the ZeRO
+        stages do: 1, each replica keeps and steps only its 1/D of the optimizer state, the
+        updated parameters then all-gathered; 2, the gradients are reduce-scattered too, each
+        replica keeping its 1/D; 3, the parameters too, gathered at the start of every step
+        (the plan's GATHER action) and freed once the gradients are reduced. The plan's
+        ``predicted_memory[rank]["at_step"]`` is the model state at the optimizer step.
 
         ``tensor_parallel=T`` runs every stage sharded over an island of T workers (Megatron-LM):
         the compiler finds the column-/row-parallel linear pairs (MLPs, attention by heads), splits

@@ -56,10 +56,12 @@ class ActionSpec:
     """The simulator's default duration, in forwards of one stage and microbatch."""
     group: Literal["tied", "replicas"] | None = None
     """For collectives: whom it meets."""
-    memory: Literal["stash", "hold", "release", "observe"] | None = None
+    memory: Literal["stash", "hold", "release", "observe", "gather", "reduce"] | None = None
     """Its effect on the memory plan: a forward stashes activations, a backward releases them,
     an input-gradient backward holds what its weight-gradient half will read (the stash stays),
-    a step is a point where memory is observed."""
+    a step is a point where memory is observed; under ZeRO-3 a gather makes the rank's whole
+    parameters resident (observed), and under ZeRO the replicas' reduction leaves each replica its
+    gradient shard (ZeRO-2/3) and frees the gathered parameters (ZeRO-3)."""
 
     @property
     def value(self) -> str:
@@ -133,8 +135,15 @@ class Kind:
     RECV_B = declare("RECV_B", "RECV_B", "recv", direction="backward")
     REDUCE_GRAD = declare("REDUCE_GRAD", "REDUCE_GRAD", "collective", per_step=True, group="tied")
     """Sum the gradients of tied parameters across the stages holding them (before STEP)."""
-    ALL_REDUCE_GRAD = declare("ALL_REDUCE_GRAD", "ALL_REDUCE_GRAD", "collective", per_step=True, group="replicas")
-    """Average every gradient of the rank across the data-parallel replicas (before STEP)."""
+    ALL_REDUCE_GRAD = declare(
+        "ALL_REDUCE_GRAD", "ALL_REDUCE_GRAD", "collective", per_step=True, group="replicas", memory="reduce"
+    )
+    """Average every gradient of the rank across the data-parallel replicas (before STEP); under
+    ZeRO-2/3 a reduce-scatter, each replica keeping its shard's average."""
+    GATHER_PARAMS = declare(
+        "GATHER_PARAMS", "GATHER", "collective", per_step=True, forward_only=True, group="replicas", memory="gather"
+    )
+    """ZeRO-3: all-gather the rank's parameter shards from the replicas, first in every step."""
     STEP = declare("STEP", "STEP", "step", per_step=True, memory="observe")
 
 

@@ -60,8 +60,11 @@ class JobConfig:
     """Replicas of the whole pipeline, each on its own ``stages`` workers, each given 1/data_parallel
     of every batch; gradients are averaged across them before the optimizer step."""
     zero: int = 0
-    """1: ZeRO stage 1, each replica keeps and steps 1/data_parallel of the optimizer state, and the
-    updated parameters are all-gathered (runtime/worker/executor/zero.py); 0: every replica steps everything."""
+    """ZeRO stage (Rajbhandari et al., 2020) over the data-parallel replicas (runtime/worker/executor/zero.py):
+    1: each replica keeps and steps 1/data_parallel of the optimizer state, and the updated
+    parameters are all-gathered; 2: the gradients are reduce-scattered too, each replica keeping
+    only its shard; 3: the parameters are sharded as well, gathered for a step and freed after
+    its backward; 0: every replica keeps and steps everything."""
     tensor_parallel: int = 1
     """Workers per pipeline rank: each stage runs sharded over an island of this many workers
     (Megatron-LM tensor parallelism, controller/compiler/parallel/tensor/)."""
@@ -150,8 +153,8 @@ class WorkerSettings:
     optimizer: str
     optimizer_args: dict
     rematerialize: bool
-    zero: bool
-    """ZeRO-1: this replica steps its shard of the flat parameters."""
+    zero: int
+    """ZeRO stage (JobConfig.zero): this replica steps its shard of the flat parameters."""
     data_plane_timeout_s: float
     weight: float = 1.0
     """The job's share of the worker against the other jobs whose steps it interleaves with
@@ -164,7 +167,7 @@ class WorkerSettings:
             optimizer=cfg.optimizer,
             optimizer_args=dict(cfg.optimizer_args),
             rematerialize=cfg.rematerialize,
-            zero=cfg.zero == 1,
+            zero=cfg.zero,
             data_plane_timeout_s=cfg.data_plane_timeout_s,
             weight=cfg.weight,
         )

@@ -102,8 +102,13 @@ class PeakMeter:
     def __init__(self):
         self.peak = MemorySnapshot()
         self.peak_stashed_microbatches = 0
+        self.at_step: MemorySnapshot | None = None
+        """What was held at the optimizer step: the model state as the ZeRO paper counts it
+        (parameters, gradients, optimizer state), no activation left."""
 
-    def observe(self, snap: MemorySnapshot, stashed_microbatches: int) -> None:
+    def observe(self, snap: MemorySnapshot, stashed_microbatches: int, step: bool = False) -> None:
+        if step:
+            self.at_step = snap
         if snap.total > self.peak.total:
             self.peak = snap
         self.peak_stashed_microbatches = max(self.peak_stashed_microbatches, stashed_microbatches)

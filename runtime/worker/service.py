@@ -287,9 +287,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     @rpc_handler
     @controller_only
     def SaveState(self, request: pb.SaveStateRequest, context):
-        """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint)."""
+        """Write this worker's tensors of the job into a checkpoint version (atoll.core.checkpoint);
+        without a file (a ZeRO job's replica other than 0), only take part in gathering them."""
         with self._order(request.job_id).turn(request.gang_seq, request.gang_floor):
             tensors = self._job(request.job_id).checkpoint_tensors()
+            if not request.file:
+                return pb.SaveStateReply()
             if "/" in request.file or request.file.startswith("."):
                 raise InvalidInput(f"checkpoint file name {request.file!r} must be a plain name")
             keys = checkpoint.write_tensors(Path(request.directory), request.file, tensors)

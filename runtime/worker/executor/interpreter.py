@@ -100,9 +100,9 @@ class PipelineExecutor:
         self.stage_params = {s.index: [p for _, p in s.graph.named_parameters() if p.requires_grad] for s in stages}
         self.params = [p for ps in self.stage_params.values() for p in ps]
         self.base = base
-        # ZeRO-1: the parameters move into one flat buffer; this replica's optimizer steps its shard
+        # ZeRO: the parameters move into one flat buffer; this replica's optimizer steps its shard
         self.zero = (
-            ZeroShard(self.params, replica, replicas, settings.optimizer, settings.optimizer_args)
+            ZeroShard(self.params, replica, replicas, settings.optimizer, settings.optimizer_args, settings.zero)
             if settings.zero and self.params
             else None
         )
@@ -131,7 +131,11 @@ class PipelineExecutor:
         self.recv_buffers = [t for key in sorted(buffers, key=str) for t in buffers[key]]
         # storages counted in their own categories, never as stashed activations
         self.not_activations = {storage_key(t) for t in held} | {storage_key(t) for t in self.recv_buffers}
-        self.parameter_bytes = storage_bytes(p for p in held if id(p) not in base)
+        sharded = {id(p) for p in self.zero.params} if self.zero is not None else set()
+        self.unsharded_parameter_bytes = storage_bytes(p for p in held if id(p) not in base | sharded)
+        """The parameters held whole and for good: all but a base's and those ZeRO lays out."""
+        self.gathered_key = 0
+        """ZeRO-3: the storage of the parameters gathered for the current step (update.gather_params)."""
         self.saved_bytes: dict[tuple, int] = {}
         """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
@@ -247,15 +251,22 @@ class PipelineExecutor:
         # copies: a microbatch view would keep the whole batch's storage alive until its backward
         return [[c[m].clone() for c in chunks] for m in range(self.microbatches)]
 
-    def observe(self, state: StepState) -> None:
+    @property
+    def parameter_bytes(self) -> int:
+        """The parameter bytes this worker holds for the job now (ZeRO-3: its shard, and the
+        whole buffer while a step has it gathered)."""
+        return self.unsharded_parameter_bytes + (self.zero.parameter_bytes if self.zero is not None else 0)
+
+    def observe(self, state: StepState, step: bool = False) -> None:
+        gradients = self.zero.gradient_bytes if self.zero is not None else storage_bytes(p.grad for p in self.params)
         snap = MemorySnapshot(
             parameters=self.parameter_bytes,
-            gradients=storage_bytes(p.grad for p in self.params),
+            gradients=gradients,
             optimizer=self.optimizer_bytes,
             activations=state.activation_bytes,
             buffers=self.buffer_bytes,
         )
-        state.meter.observe(snap, len(state.stash))
+        state.meter.observe(snap, len(state.stash), step)
 
     def _run(self, run, action: Action, state: StepState) -> None:
         if self.island is None or not action.is_compute:
@@ -351,8 +362,8 @@ class StepRun:
                 else:
                     ex._run(run, action, state)
                 state.spans.spans.append((name, category, begun, time.time()))
-                if action.is_compute or action.kind.memory == "observe":
-                    ex.observe(state)
+                if action.is_compute or action.kind.memory in ("observe", "gather"):
+                    ex.observe(state, step=action.kind is Kind.STEP)
         except Exception as e:
             raise self.failed(e, action) from e
         self.position += 1
@@ -382,6 +393,7 @@ class StepRun:
         ]
         measured = {
             "peak": state.meter.peak.as_dict(),
+            **({"at_step": state.meter.at_step.as_dict()} if state.meter.at_step is not None else {}),
             "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
             "wall_s": time.perf_counter() - self.started,
             "waiting_s": state.waiting_s,
@@ -401,6 +413,8 @@ class StepRun:
         ex, state = self.ex, self.state
         if ex.zero is not None:
             ex.zero.zero_grad()
+            if ex.zero.stage == 3 and ex.zero.flat is not None:  # an evaluation, or a failed step
+                ex.zero.release()
         elif ex.optimizer is not None:
             ex.optimizer.zero_grad(set_to_none=True)
         state.stash.clear()

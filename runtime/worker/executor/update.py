@@ -1,5 +1,6 @@
-"""Handlers of the kinds that end a training step: the data-parallel gradient average and the
-optimizer step (plain, or ZeRO-1's sharded one)."""
+"""Handlers of the data-parallel replicas' collectives and of the optimizer step: ZeRO-3's gather
+of the parameters (first in a step), the gradient average and the step (plain, or ZeRO's sharded
+one; runtime/worker/executor/zero.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,26 @@ from typing import TYPE_CHECKING
 import torch
 
 from atoll.core.actions import Action, Kind
-from atoll.core.memory import storage_bytes
+from atoll.core.memory import storage_bytes, storage_key
 from atoll.worker.executor.handlers import handles
 from atoll.worker.executor.step import ActionFailed, StepState
 
 if TYPE_CHECKING:
     from atoll.worker.executor.interpreter import PipelineExecutor
+
+
+@handles(Kind.GATHER_PARAMS)
+def gather_params(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    """ZeRO-3: the whole parameters from the replicas' shards, held until the gradients are reduced."""
+    if ex.zero is None or ex.replicas is None:
+        raise ActionFailed(f"rank {ex.rank}: GATHER_PARAMS without ZeRO-3 replicas")
+    started = time.perf_counter()
+    state.all_reduced_bytes += ex.zero.gather(ex.replicas, ex.timeout_s)
+    # the gathered buffer is parameters, never a stashed activation (a new storage each step)
+    ex.not_activations.discard(ex.gathered_key)
+    ex.gathered_key = storage_key(ex.zero.flat)
+    ex.not_activations.add(ex.gathered_key)
+    state.waiting_s += time.perf_counter() - started
 
 
 @handles(Kind.ALL_REDUCE_GRAD)

@@ -151,6 +151,11 @@ class GlooTransport:
         work = self._group.allgather([outputs], [tensor])
         return _GlooHandle(work, "all-gather", tensor)
 
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor]) -> _GlooHandle:
+        """Sum ``inputs[d]`` over the members into member d's ``output`` (ZeRO-2/3's gradients)."""
+        work = self._group.reduce_scatter([output], [inputs])
+        return _GlooHandle(work, "reduce-scatter", output)
+
     def close(self) -> None:
         self._group = None
         self._pinned.clear()
