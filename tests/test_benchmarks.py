@@ -67,6 +67,19 @@ def _run_bench(script: str, *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def test_zero_benchmark_runs_at_its_smallest_size():
+    """ZeRO-3 on two workers next to FSDP2 on two processes: the same training, so the same loss."""
+    args = ["--workers", "2", "--layers", "1", "--d-model", "16", "--batch", "4", "--block-size", "8"]
+    report = _run_bench("zero.py", *args, "--steps", "1", "--rounds", "1", "--warmup", "1")
+    assert report["atoll_zero3_tokens_per_s"] > 0 and report["fsdp2_tokens_per_s"] > 0
+    assert report["last_loss"]["atoll"] == pytest.approx(report["last_loss"]["fsdp2"], rel=1e-4)
+    for theirs, ours in zip(report["fsdp2_per_rank"], report["atoll_zero3"]["per_replica"]):
+        # both hold a shard of each: within the padding to equal shards and the step counters
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert ours["at_step"][kind] == pytest.approx(theirs["at_step"][kind], rel=0.05), kind
+    assert all(g > 0 for g in report["atoll_zero3"]["peak_rss_growth_per_worker"])
+
+
 def test_layouts_benchmark_runs_at_its_smallest_size():
     """Two workers: a 2-stage pipeline next to torch.distributed.pipelining, 2 replicas next to DDP;
     then Llama (where transformers is installed) under TP2 and TP2 with sequence parallelism."""
