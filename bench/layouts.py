@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dispatch import process_pids  # noqa: E402
-from pipeline import CpuMeter, TorchSide, make_setup, median  # noqa: E402
+from pipeline import CpuMeter, TorchSide, make_setup, median, serve_rounds  # noqa: E402
 
 import atoll  # noqa: E402
 from examples.gpt import CharCorpus, lm_loss  # noqa: E402
@@ -89,18 +89,7 @@ def _ddp_rank(rank, world, port, args, go, results):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    for _ in range(args.warmup):
-        step()
-    results.put("ready")
-    while (steps := go[rank].get()) > 0:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            loss = step()
-        dist.barrier()
-        if rank == 0:
-            results.put((steps / (time.perf_counter() - start), loss))
-    dist.destroy_process_group()
+    serve_rounds(rank, go, results, step, args.warmup, reporter=rank == 0)
 
 
 class DdpSide(TorchSide):

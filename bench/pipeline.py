@@ -242,7 +242,14 @@ def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, re
         opt.zero_grad(set_to_none=True)
         return sum(losses).item() / len(losses) if losses else None
 
-    for _ in range(args.warmup):
+    serve_rounds(rank, go, results, step, args.warmup, reporter=holds_last)
+
+
+def serve_rounds(rank: int, go, results, step, warmup: int, reporter: bool, extra=None) -> None:
+    """A peer rank's life after setup: ``warmup`` steps, "ready", then for each request of n
+    steps, the n steps between two barriers; the ``reporter`` rank puts (steps/s, its last loss),
+    plus ``extra()`` where given (called on every rank: it may be a collective). Ends the group."""
+    for _ in range(warmup):
         step()
     results.put("ready")
     while (steps := go[rank].get()) > 0:
@@ -251,8 +258,10 @@ def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, re
         for _ in range(steps):
             loss = step()
         dist.barrier()
-        if holds_last:
-            results.put((steps / (time.perf_counter() - start), loss))
+        rate = steps / (time.perf_counter() - start)
+        more = () if extra is None else (extra(),)
+        if reporter:
+            results.put((rate, loss, *more))
     dist.destroy_process_group()
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline import TorchSide, make_setup, median  # noqa: E402
+from pipeline import TorchSide, make_setup, median, serve_rounds  # noqa: E402
 
 import atoll  # noqa: E402
 from examples.gpt import lm_loss  # noqa: E402
@@ -105,22 +105,12 @@ def _fsdp_rank(rank, world, port, args, go, results):
         dist.all_reduce(reduced := loss.detach().clone())
         return reduced.item() / world
 
-    for _ in range(args.warmup):
-        step()
-    results.put("ready")
-    while (steps := go[rank].get()) > 0:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            loss = step()
-        dist.barrier()
-        rate = steps / (time.perf_counter() - start)
-        memory = {"at_step": model_state, "peak_rss_growth": peak_rss(os.getpid()) - baseline}
+    def memory() -> list[dict]:  # every rank's, gathered
         gathered = [None] * world
-        dist.all_gather_object(gathered, memory)
-        if rank == 0:
-            results.put((rate, loss, gathered))
-    dist.destroy_process_group()
+        dist.all_gather_object(gathered, {"at_step": model_state, "peak_rss_growth": peak_rss(os.getpid()) - baseline})
+        return gathered
+
+    serve_rounds(rank, go, results, step, args.warmup, reporter=rank == 0, extra=memory)
 
 
 class FsdpSide(TorchSide):
