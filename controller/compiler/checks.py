@@ -13,6 +13,13 @@ def check_config(cfg: JobConfig) -> None:
     validate_optimizer(cfg.optimizer, cfg.optimizer_args)
     if cfg.dispatch not in DISPATCH_MODES:
         raise InvalidInput(f"dispatch must be one of {', '.join(DISPATCH_MODES)}; got {cfg.dispatch!r}")
+    if cfg.precision == "fp16":
+        raise InvalidInput(
+            'precision "fp16" needs dynamic loss scaling, which atoll does not do: use "bf16" (same bytes, '
+            "float32's exponent range, no scaling)"
+        )
+    if cfg.precision not in ("fp32", "bf16"):
+        raise InvalidInput(f'precision must be "fp32" or "bf16", got {cfg.precision!r}')
     if cfg.zero not in (0, 1, 2, 3):
         raise InvalidInput(f"zero must be 0, 1, 2 or 3 (a ZeRO stage), got {cfg.zero}")
     if cfg.zero and cfg.data_parallel < 2:

@@ -23,6 +23,7 @@ from atoll.core import split_backward
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph, flatten, on_device
 from atoll.core.memory import MemorySnapshot, SavedTensors, storage_key
+from atoll.core.precision import as_specified, mixed_precision
 from atoll.core.split_backward import held_bytes
 from atoll.core.wire import EdgeSpec
 
@@ -53,6 +54,9 @@ def measure_stage(
     device: str = "cpu",
     split_backward: bool = False,
     frozen_held_elsewhere: bool = False,
+    autocast: bool = False,
+    upcast: set[int] = frozenset(),
+    output_spec: EdgeSpec | None = None,
 ) -> StageMemory:
     """Run one microbatch of a stage on fake tensors of ``device``, counting what the executor
     would hold. ``from_stages``: the input positions another stage produces (received into
@@ -60,7 +64,11 @@ def measure_stage(
     stage's own. For a CUDA device ``graph`` and ``loss`` must be private copies: they are moved
     to fake device weights in place. With ``split_backward``, the input half of the backward runs
     too (on gradients standing for the received ones), counting what it keeps for the weight half.
-    ``frozen_held_elsewhere``: the frozen parameters are a resident base's, not counted here."""
+    ``frozen_held_elsewhere``: the frozen parameters are a resident base's, not counted here.
+    ``autocast``: mixed precision (JobConfig.precision "bf16"): the forward and the loss run under
+    autocast to bfloat16 and the outputs are cast to ``output_spec``'s dtypes, as the worker runs
+    them; the inputs at ``upcast`` arrive in bfloat16 and are upcast into tensors of their own, which
+    count where autograd saves them."""
     with fake_mode() as mode:
         graph = graph.on(device, mode)
         if loss is not None and device != "cpu":
@@ -74,14 +82,17 @@ def measure_stage(
         for i in from_stages:
             if inputs[i].is_floating_point():
                 inputs[i].requires_grad_()
-            exclude.add(storage_key(inputs[i]))
+            if i not in upcast:
+                exclude.add(storage_key(inputs[i]))
         counter = SavedTensors(exclude)
-        with counter:
+        with counter, mixed_precision(autocast, device):
             out = graph.forward(inputs)
             outputs = flatten(out)
             if loss is not None:
                 args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec, device), loss.in_spec)
                 outputs = [loss.module(*args, **kwargs)]
+            elif autocast and output_spec is not None:
+                outputs = as_specified(outputs, output_spec)
         counter.add(outputs)
         held = _held_bytes(outputs, loss is not None, inputs, graph, exclude) if split_backward else 0
     gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)

@@ -144,6 +144,8 @@ def analyze(st: CompileState) -> None:
     }
     infos = st.infos
     _check_edges(st.dataflow, infos)
+    if st.config.precision == "bf16":  # the edges carry bfloat16; each stage computes in its own dtypes
+        st.dataflow = st.dataflow.carried_in("bfloat16")
     st.loss = analyze_loss(st.loss_programs[0], infos[-1].output, st.microbatch_target)
     st.routes = Routes(st.dataflow, st.topology.stage_ranks)
     st.batch_ranks = frozenset(st.topology.rank_of(e.dst) for e in st.dataflow.edges if e.src == BATCH)
@@ -181,6 +183,9 @@ def measure_stages(st: CompileState) -> None:
             st.device,
             split_backward=topo.schedule in SPLIT_BACKWARD_SCHEDULES,
             frozen_held_elsewhere=bool(st.config.base),
+            autocast=st.config.precision == "bf16",
+            upcast=_upcast(st, s),
+            output_spec=infos[s].output,
         )
         st.stages.append(
             CompiledStage(
@@ -273,6 +278,20 @@ def _private(st: CompileState, s: int) -> tuple[StageGraph, BlockGraph]:
         return StageGraph(st.analyzed[s][1]), st.loss
     fresh = BlockGraph(f"stage {s}", deserialize(st.infos[s].data, f"stage {s}"))
     return StageGraph(fresh), BlockGraph("loss", deserialize(st.loss_programs[0], "loss program"))
+
+
+def _upcast(st: CompileState, stage: int) -> set[int]:
+    """Input positions of ``stage`` that arrive from another rank in another dtype than the stage
+    computes in (bfloat16 on the wire): the worker upcasts each into a tensor of its own."""
+    rank = st.topology.rank_of(stage)
+    own = st.infos[stage].input.tensors
+    return {
+        j
+        for _, e in st.dataflow.incoming(stage)
+        if e.src != BATCH and st.topology.rank_of(e.src) != rank
+        for t, j in zip(e.spec.tensors, e.dst_indices)
+        if t.dtype != own[j].dtype
+    }
 
 
 def _from_stages(flow: Dataflow, stage: int) -> set[int]:

@@ -72,6 +72,7 @@ class Client(Connection):
         schedule_costs: dict[str, float] | None = None,
         base_name: str = "",
         base: str = "",
+        precision: str = "fp32",
     ) -> Job:
         """Compile ``model`` into a pipeline over ``stages`` workers and load it: the program of
         one stage, ``model``, over ``stages`` workers (see ``compile``).
@@ -142,6 +143,12 @@ class Client(Connection):
         The job belongs to this client: once the client stops renewing its lease (it closed, or
         its process died), the controller closes the job after the lease timeout. ``detached=True``
         keeps it until ``Job.close`` (from any client: ``client.job(job_id)``).
+
+        ``precision="bf16"`` trains in mixed precision as ``torch.autocast`` does (the policy of
+        FSDP2's MixedPrecisionPolicy with float32 reductions): each stage computes under autocast
+        to bfloat16 while parameters, gradients, their reductions and the optimizer state stay
+        float32, and activations and their gradients cross between stages in bfloat16 (half the
+        bytes; the plan's edges say so). "fp16" is refused: it needs loss scaling.
 
         ``base_name`` and ``base`` are set by ``load_base`` and ``lora``.
         """

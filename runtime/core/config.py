@@ -103,6 +103,12 @@ class JobConfig:
     base's own tensors on the base's workers (held once, whatever the number of jobs attached),
     its stages are cut where the base's are, and its steps run beside the other attached jobs'
     rather than after them, so one job's microbatches fill another's pipeline bubbles."""
+    precision: str = "fp32"
+    """"fp32": every stage computes in the model's own dtypes. "bf16": mixed precision as
+    torch.autocast does it, with the parameters, their gradients, the gradient reductions and the
+    optimizer state kept in float32: each stage's forward (and the loss) runs under
+    ``torch.autocast(dtype=torch.bfloat16)``, and every floating tensor crossing between stages
+    travels in bfloat16 (half the bytes), upcast to the receiving stage's dtype on arrival."""
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
@@ -159,6 +165,8 @@ class WorkerSettings:
     weight: float = 1.0
     """The job's share of the worker against the other jobs whose steps it interleaves with
     this one's (runtime/worker/interleave.py), as JobConfig.weight."""
+    precision: str = "fp32"
+    """JobConfig.precision: "bf16" runs the forward under autocast."""
 
     @staticmethod
     def of(cfg: JobConfig) -> WorkerSettings:
@@ -170,6 +178,7 @@ class WorkerSettings:
             zero=cfg.zero,
             data_plane_timeout_s=cfg.data_plane_timeout_s,
             weight=cfg.weight,
+            precision=cfg.precision,
         )
 
     def to_pb(self) -> pb.WorkerSettings:

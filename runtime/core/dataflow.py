@@ -61,6 +61,19 @@ class Dataflow:
     tied: tuple[TiedParameter, ...] = ()
     """Parameters shared by more than one stage (tied embeddings)."""
 
+    def carried_in(self, dtype: str) -> Dataflow:
+        """The same dataflow with every floating tensor between two stages travelling as ``dtype``
+        (mixed precision: bfloat16 on the wire, each stage computing in its own dtypes); the batch's
+        tensors go as the client gives them."""
+
+        def wire(e: Edge) -> Edge:
+            if e.src == BATCH:
+                return e
+            tensors = tuple(TensorSpec(t.shape, dtype) if t.is_floating else t for t in e.spec.tensors)
+            return Edge(e.src, e.dst, e.src_indices, e.dst_indices, EdgeSpec(e.spec.name, tensors))
+
+        return Dataflow(self.num_stages, tuple(wire(e) for e in self.edges), self.tied)
+
     def incoming(self, stage: int) -> list[tuple[int, Edge]]:
         return [(i, e) for i, e in enumerate(self.edges) if e.dst == stage]
 

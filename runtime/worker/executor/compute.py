@@ -13,6 +13,7 @@ from atoll.core import split_backward
 from atoll.core.actions import Action, Kind
 from atoll.core.graphs import flatten
 from atoll.core.memory import SavedTensors, storage_key
+from atoll.core.precision import as_specified, mixed_precision
 from atoll.worker.executor.handlers import handles
 from atoll.worker.executor.step import InputGrads, Stash, StepState
 from atoll.worker.executor.transfers import take_recv
@@ -46,9 +47,10 @@ def _stage_inputs(ex: PipelineExecutor, action: Action, state: StepState) -> lis
             inputs[j] = _leaf(producer.outputs[i])
     if ex.routes.needs_recv_f(s):
         received = iter(take_recv(ex, Action(s, Kind.RECV_F, m), state))
+        own = ex.stages[s].input.tensors
         for _, e in ex.routes.remote_in(s):
-            for j in e.dst_indices:
-                inputs[j] = _leaf(next(received))
+            for j in e.dst_indices:  # in the stage's own dtype (mixed precision: upcast from bfloat16)
+                inputs[j] = _leaf(next(received).to(own[j].torch_dtype))
     return inputs
 
 
@@ -80,12 +82,13 @@ def _counted(ex: PipelineExecutor, s: int, m: int, inputs: list[torch.Tensor], s
 
 
 def _run_stage(ex: PipelineExecutor, s: int, m: int, inputs: list[torch.Tensor], state: StepState):
-    out = ex.stages[s].graph.forward(inputs)
-    if s != ex.last_stage or state.mode == "forward":
-        return flatten(out)
-    leaves = flatten(out) + list(state.target_mbs[m])
-    args, kwargs = pytree.tree_unflatten(leaves, ex.loss.in_spec)
-    return [ex.loss.module(*args, **kwargs)]
+    with mixed_precision(ex.autocast, ex.device):
+        out = ex.stages[s].graph.forward(inputs)
+        if s != ex.last_stage or state.mode == "forward":
+            return as_specified(flatten(out), ex.stages[s].output) if ex.autocast else flatten(out)
+        leaves = flatten(out) + list(state.target_mbs[m])
+        args, kwargs = pytree.tree_unflatten(leaves, ex.loss.in_spec)
+        return [ex.loss.module(*args, **kwargs)]
 
 
 @handles(Kind.FORWARD)
@@ -139,7 +142,8 @@ def _roots(ex: PipelineExecutor, action: Action, state: StepState, outputs) -> t
     its outputs with their gradients (None for the loss). An integer-only edge has no gradient."""
     if action.stage == ex.last_stage:
         return [outputs[0] / ex.microbatches], None
-    pairs = [(outputs[i], g) for i, g in sorted(_output_grads(ex, action, state).items())]
+    # a gradient received in bfloat16 (mixed precision) in its output's dtype
+    pairs = [(outputs[i], g.to(outputs[i].dtype)) for i, g in sorted(_output_grads(ex, action, state).items())]
     pairs = [(o, g) for o, g in pairs if o.requires_grad]
     return [o for o, _ in pairs], [g for _, g in pairs]
 

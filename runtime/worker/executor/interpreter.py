@@ -74,6 +74,8 @@ class PipelineExecutor:
         self.microbatches = settings.microbatches
         self.actions = actions
         self.rematerialize = settings.rematerialize
+        self.autocast = settings.precision == "bf16"
+        """Mixed precision: stages compute under autocast to bfloat16 (atoll.core.precision)."""
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
@@ -129,9 +131,14 @@ class PipelineExecutor:
         self.slots = {k: v for k, v in buffers.items() if isinstance(k, int)}
         self.tied_buffers = {k[1:]: v[0] for k, v in buffers.items() if not isinstance(k, int)}
         self.recv_buffers = [t for key in sorted(buffers, key=str) for t in buffers[key]]
-        # storages counted in their own categories, never as stashed activations
-        self.not_activations = {storage_key(t) for t in held} | {storage_key(t) for t in self.recv_buffers}
+        # storages counted in their own categories, never as stashed activations; not a ZeRO-3
+        # parameter's placeholder, which is freed at the first gather (its key could then name an
+        # activation's storage): the gathered buffer is excluded each step (update.gather_params)
         sharded = {id(p) for p in self.zero.params} if self.zero is not None else set()
+        kept = [t for t in held if id(t) not in sharded] + (
+            [self.zero.flat] if self.zero and self.zero.flat is not None else []
+        )
+        self.not_activations = {storage_key(t) for t in kept} | {storage_key(t) for t in self.recv_buffers}
         self.unsharded_parameter_bytes = storage_bytes(p for p in held if id(p) not in base | sharded)
         """The parameters held whole and for good: all but a base's and those ZeRO lays out."""
         self.gathered_key = 0

@@ -60,7 +60,8 @@ def send_forward(ex: PipelineExecutor, action: Action, state: StepState) -> None
     for edge_id, e in ex.routes.remote_out(s):
         for i, src_index in enumerate(e.src_indices):
             tag = edge_tag(edge_id, m, ex.microbatches, FORWARD_DIRECTION, i)
-            out = stash.outputs[src_index].detach().contiguous()
+            # in the edge's dtype: bfloat16 under mixed precision, else the output's own
+            out = stash.outputs[src_index].detach().to(e.spec.tensors[i].torch_dtype).contiguous()
             state.sends.append(ex.transport.send(out, ex.stage_ranks[e.dst], tag))
             state.sent_bytes += out.nbytes
 
@@ -72,7 +73,7 @@ def send_backward(ex: PipelineExecutor, action: Action, state: StepState) -> Non
     for edge_id, e in ex.routes.remote_in(s):
         for i in e.differentiable:
             tag = edge_tag(edge_id, m, ex.microbatches, BACKWARD_DIRECTION, i)
-            grad = grads[e.dst_indices[i]].contiguous()
+            grad = grads[e.dst_indices[i]].to(e.spec.tensors[i].torch_dtype).contiguous()
             state.sends.append(ex.transport.send(grad, ex.stage_ranks[e.src], tag))
             state.sent_bytes += grad.nbytes
 
