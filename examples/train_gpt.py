@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--data-parallel", type=int, default=1, help="replicas of the pipeline, each on workers/N workers"
     )
-    parser.add_argument("--zero", action="store_true", help="ZeRO-1: shard the optimizer state over the replicas")
+    parser.add_argument(
+        "--zero", type=int, nargs="?", const=1, default=0, choices=[0, 1, 2, 3],
+        help="ZeRO stage over the replicas (1: optimizer state, 2: + gradients, 3: + parameters; --zero alone: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, bfloat16 between stages"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=1)
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             f"does not divide --workers {args.workers}"
         )
     if args.zero and args.data_parallel < 2:
-        parser.error("--zero shards the optimizer state over data-parallel replicas: give --data-parallel 2 or more")
+        parser.error("--zero shards model state over data-parallel replicas: give --data-parallel 2 or more")
 
     torch.manual_seed(args.seed)
     corpus = CharCorpus()
@@ -116,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             data_parallel=args.data_parallel,
             tensor_parallel=args.tensor_parallel,
             sequence_parallel=args.sequence_parallel,
-            zero=int(args.zero),
+            zero=args.zero,
+            precision=args.precision,
             microbatches=args.microbatches,
             schedule=args.schedule,
             virtual_stages=args.virtual_stages,

@@ -85,9 +85,14 @@ def test_zero_on_hugging_face_gpt2_matches_single_process(client4, stages, zero)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
 
 
-def test_zero3_with_tensor_parallel_islands_matches_single_process(client4):
-    """TP=2 x DP=2: each island rank's shard of the parameters is itself sharded over the replicas."""
-    model, batches, loss_fn = models.transformer()
+@pytest.mark.parametrize("family", ["gpt", "hf-gpt2"])
+def test_zero3_with_tensor_parallel_islands_matches_single_process(client4, family):
+    """TP=2 x DP=2: each island rank's shard of the parameters is itself sharded over the replicas
+    (float64: losses and every weight within 1e-5)."""
+    if family == "gpt":
+        model, batches, loss_fn = models.transformer()
+    else:
+        (model, batches), loss_fn = models.hf_gpt2(pytest.importorskip("transformers")), models.lm_loss
     batches = batches[:STEPS]
     model = model.double()
     job, results, state, _ = _train(client4, model, batches, loss_fn, 1, 3, tensor_parallel=2)
