@@ -47,15 +47,15 @@ def gpt(layers: int = 6, steps: int = 5, dtype=torch.float32):
     return models.char_gpt(layers=layers, d_model=128, steps=steps, dtype=dtype, batch_seed=1)
 
 
-def submit_gpt(client, model, batches, **kwargs):
+def submit_gpt(client, model, batches, stages: int = RANKS, microbatches: int = MICROBATCHES, **kwargs):
     x, y = batches[0]
     return client.pipeline(
         model,
         example_input=x,
         example_target=y,
         loss_fn=lm_loss,
-        stages=RANKS,
-        microbatches=MICROBATCHES,
+        stages=stages,
+        microbatches=microbatches,
         device="cuda",
         **kwargs,
     )
@@ -158,16 +158,7 @@ def test_killed_gpu_worker_fails_the_step_with_a_clear_error():
         with cluster.client() as client:
             model, batches = gpt(layers=2, steps=2)
             x, y = batches[0]
-            job = client.pipeline(
-                model,
-                example_input=x,
-                example_target=y,
-                loss_fn=lm_loss,
-                stages=2,
-                microbatches=4,
-                device="cuda",
-                data_plane_timeout_s=20,
-            )
+            job = submit_gpt(client, model, batches, stages=2, microbatches=4, data_plane_timeout_s=20)
             job.step(x, y)
             cluster.kill_worker(1)
             with pytest.raises(atoll.JobFailed):
@@ -198,18 +189,7 @@ def test_workers_sharing_a_gpu_through_their_own_mps_daemon_match_single_process
     with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1, cuda_mps=True) as cluster:
         pipe_dir = cluster.log_dir / "mps" / "pipe"
         with cluster.client() as client:
-            x, y = batches[0]
-            job = client.pipeline(
-                model,
-                example_input=x,
-                example_target=y,
-                loss_fn=lm_loss,
-                stages=2,
-                microbatches=4,
-                device="cuda",
-                optimizer="sgd",
-                optimizer_args=args,
-            )
+            job = submit_gpt(client, model, batches, stages=2, microbatches=4, optimizer="sgd", optimizer_args=args)
             try:
                 losses = [job.step(xb, yb) for xb, yb in batches]
                 state = job.state_dict()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -136,6 +137,14 @@ class RankMemory:
     """At the optimizer step: the model state as the ZeRO paper counts it."""
 
 
+class ZeroBytes(NamedTuple):
+    """One rank's ZeRO layout in bytes: its stage, its flat buffer (padded to equal shards) and one shard."""
+
+    stage: int
+    flat: int
+    shard: int
+
+
 @dataclass(frozen=True, slots=True)
 class ZeroLayout:
     """A job's ZeRO stage over its data-parallel replicas (runtime/worker/executor/zero.py)."""
@@ -143,11 +152,10 @@ class ZeroLayout:
     stage: int
     replicas: int
 
-    def bytes_of(self, params: Sequence[torch.Tensor]) -> tuple[int, int]:
-        """(the flat buffer's bytes, padded to equal shards; one shard's bytes)."""
+    def bytes_of(self, params: Sequence[torch.Tensor]) -> ZeroBytes:
         shard = math.ceil(sum(p.numel() for p in params) / self.replicas)
         item = params[0].element_size() if params else 0
-        return shard * self.replicas * item, shard * item
+        return ZeroBytes(self.stage, shard * self.replicas * item, shard * item)
 
 
 def predict_rank(
@@ -155,14 +163,13 @@ def predict_rank(
     stage_memory: dict[int, StageMemory],
     optimizer_bytes: int,
     buffer_bytes: int,
-    zero: tuple[int, int, int] | None = None,
+    zero: ZeroBytes | None = None,
 ) -> RankMemory:
-    """``zero``: (stage, flat buffer bytes, shard bytes) of the rank's trainable parameters."""
+    """``zero``: the ZeRO layout of the rank's trainable parameters, if any."""
     trainable = sum(stage_memory[s].gradient_bytes for s in stage_memory)
     parameters = sum(stage_memory[s].parameter_bytes for s in stage_memory)
     if zero is not None:  # laid out in the flat buffer (ZeRO-3: only this replica's shard of it)
-        stage, flat, shard = zero
-        parameters += (shard if stage == 3 else flat) - trainable
+        parameters += (zero.shard if zero.stage == 3 else zero.flat) - trainable
     activations, stashed, peak, peak_stashed, at_step = 0, 0, MemorySnapshot(), 0, None
     stages_with_grads: set[int] = set()
     reduced: int | None = None  # the gradient bytes once the replicas' reduction has run
@@ -204,12 +211,12 @@ def predict_rank(
             stages_with_grads.add(a.stage)
             observe()
         elif a.kind.memory == "gather" and zero is not None:
-            parameters += zero[1]
+            parameters += zero.flat
             observe()
         elif a.kind.memory == "reduce" and zero is not None:
-            reduced = zero[1] if zero[0] == 1 else zero[2]  # ZeRO-1 keeps the whole average
-            if zero[0] == 3:
-                parameters -= zero[1]
+            reduced = zero.flat if zero.stage == 1 else zero.shard  # ZeRO-1 keeps the whole average
+            if zero.stage == 3:
+                parameters -= zero.flat
         elif a.kind.memory == "observe":
             observe(step=a.kind.category == "step")
     return RankMemory(peak, peak_stashed, at_step)
@@ -243,9 +250,8 @@ def predict(
         params = [p for s in stages for p in stage_params[s]]
         layout = None
         if zero is not None and params:
-            flat, shard = zero.bytes_of(params)
-            layout = (zero.stage, flat, shard)
-            params = [torch.empty(shard // params[0].element_size(), dtype=params[0].dtype, device="meta")]
+            layout = zero.bytes_of(params)
+            params = [torch.empty(layout.shard // params[0].element_size(), dtype=params[0].dtype, device="meta")]
         out[rank] = predict_rank(
             lowered.actions[rank],
             {s: stage_memory[s] for s in stages},

@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from atoll.errors import InvalidInput
-from atoll.worker.executor.interpreter import StepRun
+from atoll.worker.executor.run import StepRun
 
 MAX_STEPS = 256
 """Steps interleaved on one worker at once (a lane runs one step at a time: jobs attached here)."""

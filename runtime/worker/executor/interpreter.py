@@ -29,9 +29,10 @@ from atoll.errors import InvalidInput
 from atoll.worker.executor import checkpoint, compute, transfers, update  # noqa: F401 (they register their handlers)
 from atoll.worker.executor.buckets import GradBuckets
 from atoll.worker.executor.handlers import handler_of
+from atoll.worker.executor.run import StepRun
 from atoll.worker.executor.step import ActionFailed, StepState
 from atoll.worker.executor.zero import ZeroShard
-from atoll.worker.transports.gloo import DataPlaneError, Transport
+from atoll.worker.transports.gloo import Transport
 
 __all__ = ["ActionFailed", "PipelineExecutor", "StageSetup"]
 
@@ -135,9 +136,7 @@ class PipelineExecutor:
         # parameter's placeholder, which is freed at the first gather (its key could then name an
         # activation's storage): the gathered buffer is excluded each step (update.gather_params)
         sharded = {id(p) for p in self.zero.params} if self.zero is not None else set()
-        kept = [t for t in held if id(t) not in sharded] + (
-            [self.zero.flat] if self.zero and self.zero.flat is not None else []
-        )
+        kept = held if self.zero is None or self.zero.stage < 3 else [t for t in held if id(t) not in sharded]
         self.not_activations = {storage_key(t) for t in kept} | {storage_key(t) for t in self.recv_buffers}
         self.unsharded_parameter_bytes = storage_bytes(p for p in held if id(p) not in base | sharded)
         """The parameters held whole and for good: all but a base's and those ZeRO lays out."""
@@ -307,123 +306,3 @@ class PipelineExecutor:
                 group.close()
         self.stages.clear()
         self.slots.clear()
-
-
-class StepRun:
-    """One step of an executor's action list, run an action at a time: ``advance`` runs the next
-    one (after the last, it waits for the sends) and says whether any is left; ``next_waits``
-    names the data-plane handles the next one will wait on, so an interleaver runs another job's
-    action until they are done."""
-
-    def __init__(self, ex: PipelineExecutor, state: StepState):
-        self.ex, self.state = ex, state
-        self.started = time.perf_counter()
-        self.cuda = ex.device.type == "cuda"
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(ex.device)
-        ex.history.add(state.spans)  # a failed step's spans show where it stopped
-        # Each action is a named range in a torch profiler's trace, but only while one runs
-        # (in any thread: the flag is process-wide; a torch without it always records):
-        # record_function costs about 6 us per action, a fifth of a tiny stage's worker time.
-        self.profiled = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
-        self.position = 0
-        self.ended = False
-        self._skip()
-
-    def _skip(self) -> None:
-        """Move past the actions that do not run in this step's mode."""
-        actions, mode = self.ex.actions, self.state.mode
-        while self.position < len(actions) and not actions[self.position].kind.runs_in(mode):
-            self.position += 1
-
-    def next_waits(self) -> list:
-        """The handles the next action (or the step's end) waits on."""
-        if self.position == len(self.ex.actions) or self.ex.actions[self.position].kind is Kind.STEP:
-            return self.state.sends
-        action = self.ex.actions[self.position]
-        if not action.is_compute or action.kind.direction is None:
-            return []
-        kind = Kind.RECV_F if action.kind.direction == "forward" else Kind.RECV_B
-        pending = self.state.pending_recvs.get(Action(action.stage, kind, action.microbatch))
-        return pending[1] if pending is not None else []
-
-    def advance(self) -> bool:
-        """Run the next action; False once the step is over (its sends waited for)."""
-        ex, state = self.ex, self.state
-        action = None
-        try:
-            if self.position == len(ex.actions):
-                action = ex.actions[-1] if ex.actions else None
-                ex.wait(state.sends, state, "sends")
-                if self.cuda:
-                    torch.cuda.current_stream(ex.device).synchronize()
-                self.ended = True
-                return False
-            action = ex.actions[self.position]
-            name, profiled, category, run = ex._labels[self.position]
-            begun = time.time()
-            with torch.set_grad_enabled(state.mode == "train"):
-                if self.profiled:
-                    with torch.profiler.record_function(profiled):
-                        ex._run(run, action, state)
-                else:
-                    ex._run(run, action, state)
-                state.spans.spans.append((name, category, begun, time.time()))
-                if action.is_compute or action.kind.memory in ("observe", "gather"):
-                    ex.observe(state, step=action.kind is Kind.STEP)
-        except Exception as e:
-            raise self.failed(e, action) from e
-        self.position += 1
-        self._skip()
-        return True
-
-    def failed(self, error: Exception, action: Action | None = None) -> ActionFailed:
-        """The step failed at ``action`` (by default the next one): the executor refuses later steps."""
-        ex = self.ex
-        position = min(self.position, len(ex.actions) - 1)  # the step's end: named by its last action
-        if action is None and position >= 0:
-            action = ex.actions[position]
-        where = f"rank {ex.rank}, action #{position} '{action}'" if action else f"rank {ex.rank}"
-        kind = "data plane" if isinstance(error, DataPlaneError) else type(error).__name__
-        ex.failure = f"{where} failed ({kind})"
-        if ex.buckets is not None:
-            ex.buckets.reset()
-        return ActionFailed(f"{where} failed ({kind}): {error}")
-
-    def result(self):
-        """(per-microbatch losses, measured memory, the last stage's full-batch output), once ended."""
-        state = self.state
-        losses = [float(state.losses[m]) for m in sorted(state.losses)]
-        outputs = [
-            torch.cat([state.outputs[m][i] for m in sorted(state.outputs)]).cpu()
-            for i in range(len(state.outputs[0]) if state.outputs else 0)
-        ]
-        measured = {
-            "peak": state.meter.peak.as_dict(),
-            **({"at_step": state.meter.at_step.as_dict()} if state.meter.at_step is not None else {}),
-            "peak_stashed_microbatches": state.meter.peak_stashed_microbatches,
-            "wall_s": time.perf_counter() - self.started,
-            "waiting_s": state.waiting_s,
-            "data_plane_bytes": {
-                "sent": state.sent_bytes,
-                "received": state.received_bytes,
-                "all_reduced": state.all_reduced_bytes,
-                "island_all_reduced": state.island_bytes,
-            },
-        }
-        if self.cuda:  # the allocator's view, next to the executor's own accounting
-            measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.ex.device)
-        return losses, measured, outputs
-
-    def close(self) -> None:
-        """Drop what the step held, whether it ended or failed."""
-        ex, state = self.ex, self.state
-        if ex.zero is not None:
-            ex.zero.zero_grad()
-            if ex.zero.stage == 3 and ex.zero.flat is not None:  # an evaluation, or a failed step
-                ex.zero.release()
-        elif ex.optimizer is not None:
-            ex.optimizer.zero_grad(set_to_none=True)
-        state.stash.clear()
-        state.weight_halves.clear()
-        state.pending_recvs.clear()

@@ -178,7 +178,11 @@ class ZeroShard:
             for key, values in state.items()
         }
 
-    def zero_grad(self) -> None:
+    def end_step(self) -> None:
+        """Drop the step's gradients and, at stage 3, parameters still gathered (an evaluation or
+        forward step, which reduces nothing, or a step that failed before its reduction)."""
         self.mine.grad = None
         for p in self.params:
             p.grad = None
+        if self.stage == 3 and self.flat is not None:
+            self.release()
