@@ -22,6 +22,7 @@ from atoll.controller.jobs import JobTable
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.loading import Loader
 from atoll.controller.loading import decode_program as decode_program  # `atoll plan` imports it from here
+from atoll.controller.parameter_servers import ParameterServers
 from atoll.controller.recovery import Recovery
 from atoll.controller.remote import RemoteValues
 from atoll.controller.resume import AutoResume
@@ -68,7 +69,7 @@ class ControllerService(pb_grpc.ControllerServicer):
             heartbeat_timeout_s=heartbeat_timeout_s,
             rpc_timeout_s=rpc_timeout_s,
             # a worker dies only once the service serves, when self.lifecycle exists
-            on_death=lambda record: self.lifecycle.worker_died(record),
+            on_death=self._worker_died,
             controller_key=self.controller_key,
         )
         self.rendezvous = Rendezvous()
@@ -87,7 +88,20 @@ class ControllerService(pb_grpc.ControllerServicer):
         self.stepper = self._build(Stepper, resume=self._build(AutoResume), values=self.values.table)
         self.reports = self._build(Reports, status_grace_s=status_grace_s)
         self.recovery = self._build(Recovery)
+        self.parameter_servers = ParameterServers(
+            place=self.lifecycle.place,
+            jobs_lock=self.jobs.lock,
+            leases=self.leases,
+            token=token,
+            controller_key=self.controller_key,
+            timeout_s=load_timeout_s,
+        )
+        self.leases.held_elsewhere = self.parameter_servers.holds_session
         self.recovery.start()  # a restart on a state directory: its workers and jobs, before serving
+
+    def _worker_died(self, record) -> None:
+        self.lifecycle.worker_died(record)
+        self.parameter_servers.worker_died(record)
 
     def _build(self, collaborator: type, **given):
         """A collaborator (a dataclass) whose fields name the parts it needs: each is ``given`` or
@@ -167,7 +181,14 @@ class ControllerService(pb_grpc.ControllerServicer):
         return self.reports.timeline(request)
 
     @rpc_handler
+    def SubmitParameterServer(self, request, context):
+        return self.parameter_servers.submit(request)
+
+    @rpc_handler
     def CloseJob(self, request, context):
+        if self.parameter_servers.owns(request.job_id):
+            self.parameter_servers.close(request.job_id)
+            return pb.Empty()
         self.lifecycle.close_id(request.job_id)
         return pb.Empty()
 
@@ -214,6 +235,7 @@ class ControllerService(pb_grpc.ControllerServicer):
     def run_lease_checks(self) -> None:
         """Close, in the background, every job whose client session's lease has run out."""
         self.lifecycle.run_lease_checks(self._stopped)
+        self.parameter_servers.run_lease_checks(self._stopped)
 
     def stop(self) -> None:
         self._stopped.set()

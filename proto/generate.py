@@ -24,7 +24,7 @@ WELL_KNOWN = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.pr
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = "atoll/_rpc"  # the import path; the files live in runtime/_rpc
-SCHEMAS = ("common", "controller", "worker", "atoll")
+SCHEMAS = ("common", "controller", "worker", "ps", "atoll")
 GENERATED = tuple(f"{name}_pb2.py" for name in SCHEMAS) + ("atoll_pb2_grpc.py",)
 """The committed modules (the message files define no service, so they get no _grpc module)."""
 

@@ -24,6 +24,8 @@ _EXPORTS = {
     "LocalCluster": "atoll.client.local",
     "ClusterStatus": "atoll.client.plan",
     "Plan": "atoll.client.plan",
+    "ParameterServerJob": "atoll.client.parameter_server",
+    "TaskStep": "atoll.client.parameter_server",
     "Program": "atoll.client.program",
     "Value": "atoll.client.program",
     "RemoteValue": "atoll.client.remote",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from atoll.client.job import Job, StepFuture, StepResult
     from atoll.client.local import LocalCluster
     from atoll.client.lora import AdapterJob, LoraConfig
+    from atoll.client.parameter_server import ParameterServerJob, TaskStep
     from atoll.client.plan import ClusterStatus, Plan
     from atoll.client.program import Program, Value
     from atoll.client.remote import RemoteValue
@@ -95,11 +98,13 @@ __all__ = [
     "NotEnoughWorkers",
     "NotFound",
     "NotPermitted",
+    "ParameterServerJob",
     "Plan",
     "Program",
     "RemoteValue",
     "StepFuture",
     "StepResult",
+    "TaskStep",
     "Trace",
     "Unauthenticated",
     "Value",

@@ -159,3 +159,16 @@ def test_lora_benchmark_runs_at_its_smallest_size():
     assert together["last_losses"] == pytest.approx(apart["last_losses"], rel=1e-4)
     assert report["parameter_bytes_separate_vs_shared"] > 1.5  # each separate job held the base again
     assert report["ratio_with_every_core_busy"] > 0 and report["ratio_with_busiest_worker_never_idle"] > 0
+
+
+def test_parameter_server_benchmark_runs_at_its_smallest_size():
+    """Four tasks, a rotating straggler: every consistency and DDP train, and bounded delay keeps
+    its bound while sequential trains without staleness."""
+    args = ["--steps", "3", "--warmup", "1", "--width", "16", "--depth", "1", "--batch", "8"]
+    report = _run_bench("parameter_server.py", *args, "--straggler", "rotating")
+    run = report["rotating"]
+    for consistency in ("sequential", "bounded", "eventual"):
+        assert run["atoll"][consistency]["task_steps_per_s"] > 0
+    assert run["atoll"]["sequential"]["max_staleness"] == 0
+    assert run["atoll"]["bounded"]["max_staleness"] <= report["settings"]["max_delay"]
+    assert run["ddp"]["task_steps_per_s"] > 0 and run["bounded_vs_sequential"] > 0

@@ -14,6 +14,9 @@ class Leases:
         self.timeout_s = timeout_s
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
+        self.held_elsewhere = lambda session: False
+        """Whether jobs outside the job table (parameter-server jobs) belong to a session: it is
+        then not forgotten when the table's last job of that session closes."""
 
     def renew(self, session: str) -> None:
         with self._lock:
@@ -27,5 +30,7 @@ class Leases:
 
     def forget(self, session: str) -> None:
         """Drop a session no job belongs to any more."""
+        if self.held_elsewhere(session):
+            return
         with self._lock:
             self._seen.pop(session, None)

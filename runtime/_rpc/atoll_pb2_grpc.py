@@ -5,6 +5,7 @@ import warnings
 
 from atoll._rpc import common_pb2 as atoll_dot___rpc_dot_common__pb2
 from atoll._rpc import controller_pb2 as atoll_dot___rpc_dot_controller__pb2
+from atoll._rpc import ps_pb2 as atoll_dot___rpc_dot_ps__pb2
 from atoll._rpc import worker_pb2 as atoll_dot___rpc_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -130,6 +131,11 @@ class ControllerStub:
                 '/atoll.v1.Controller/Ping',
                 request_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.SubmitParameterServer = channel.unary_unary(
+                '/atoll.v1.Controller/SubmitParameterServer',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsProgram.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_ps__pb2.PsJobReply.FromString,
                 _registered_method=True)
 
 
@@ -257,6 +263,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitParameterServer(self, request, context):
+        """controller/parameter_servers.py
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +367,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
                     response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'SubmitParameterServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitParameterServer,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsProgram.FromString,
+                    response_serializer=atoll_dot___rpc_dot_ps__pb2.PsJobReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -869,6 +887,33 @@ class Controller:
             '/atoll.v1.Controller/Ping',
             atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
             atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitParameterServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/SubmitParameterServer',
+            atoll_dot___rpc_dot_ps__pb2.PsProgram.SerializeToString,
+            atoll_dot___rpc_dot_ps__pb2.PsJobReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1548,6 +1593,385 @@ class Worker:
             '/atoll.v1.Worker/GetTimeline',
             atoll_dot___rpc_dot_controller__pb2.TimelineRequest.SerializeToString,
             atoll_dot___rpc_dot_controller__pb2.WorkerTimeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ParameterServerStub:
+    """Parameter-server programs on a worker (runtime/worker/ps/): the controller loads and
+    reconfigures; task workers pull and push; clients feed tasks with Step.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Load = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Load',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsLoadRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Pull',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsPullRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_ps__pb2.PsPullReply.FromString,
+                _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Push',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsPushRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Step',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsStepRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_ps__pb2.PsStepReply.FromString,
+                _registered_method=True)
+        self.Reconfigure = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Reconfigure',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsReconfigureRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Export',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsExportRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_ps__pb2.PsShardState.FromString,
+                _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Adopt',
+                request_serializer=atoll_dot___rpc_dot_ps__pb2.PsAdoptRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Unload = channel.unary_unary(
+                '/atoll.v1.ParameterServer/Unload',
+                request_serializer=atoll_dot___rpc_dot_common__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class ParameterServerServicer:
+    """Parameter-server programs on a worker (runtime/worker/ps/): the controller loads and
+    reconfigures; task workers pull and push; clients feed tasks with Step.
+    """
+
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Push(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reconfigure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adopt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ParameterServerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsLoadRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsPullRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_ps__pb2.PsPullReply.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsPushRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsStepRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_ps__pb2.PsStepReply.SerializeToString,
+            ),
+            'Reconfigure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconfigure,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsReconfigureRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsExportRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_ps__pb2.PsShardState.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsAdoptRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+            'Unload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unload,
+                    request_deserializer=atoll_dot___rpc_dot_common__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'atoll.v1.ParameterServer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('atoll.v1.ParameterServer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ParameterServer:
+    """Parameter-server programs on a worker (runtime/worker/ps/): the controller loads and
+    reconfigures; task workers pull and push; clients feed tasks with Step.
+    """
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Load',
+            atoll_dot___rpc_dot_ps__pb2.PsLoadRequest.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Pull',
+            atoll_dot___rpc_dot_ps__pb2.PsPullRequest.SerializeToString,
+            atoll_dot___rpc_dot_ps__pb2.PsPullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Push',
+            atoll_dot___rpc_dot_ps__pb2.PsPushRequest.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Step',
+            atoll_dot___rpc_dot_ps__pb2.PsStepRequest.SerializeToString,
+            atoll_dot___rpc_dot_ps__pb2.PsStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reconfigure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Reconfigure',
+            atoll_dot___rpc_dot_ps__pb2.PsReconfigureRequest.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Export',
+            atoll_dot___rpc_dot_ps__pb2.PsExportRequest.SerializeToString,
+            atoll_dot___rpc_dot_ps__pb2.PsShardState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Adopt',
+            atoll_dot___rpc_dot_ps__pb2.PsAdoptRequest.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.ParameterServer/Unload',
+            atoll_dot___rpc_dot_common__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

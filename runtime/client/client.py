@@ -313,6 +313,16 @@ class Client(Connection):
         """schedule="auto": each stage's action costs, measured on calibration copies of the job."""
         return calibrate.measured_costs(run_copy, config)
 
+    def parameter_server(self, model: nn.Module, *, example_input, example_target, loss_fn, **settings):
+        """A parameter-server job (atoll.client.parameter_server): ``servers`` workers hold the
+        model as key ranges, ``workers`` tasks each pull, compute on their own batches and push,
+        under ``consistency`` "sequential", "bounded" (``max_delay``) or "eventual"; ``optimizer``
+        "sgd" or "adamw" with ``lr`` and ``weight_decay`` runs on the servers; ``replication``
+        servers hold each key range. Embedding tables move only the rows a batch touches."""
+        from atoll.client import parameter_server
+
+        return parameter_server.submit(self, model, example_input, example_target, loss_fn, **settings)
+
     def job(self, job_id: str) -> Job:
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""
         reply = self._call("GetPlan", pb.JobRef(job_id=job_id))

@@ -35,6 +35,8 @@ class Connection:
         reconnect_timeout_s: float = 60.0,
     ):
         self.address = address
+        self._token, self._tls = token, tls
+        """For calls straight to workers (a parameter-server job's tasks)."""
         self._endpoint = Endpoint(
             address,
             token,

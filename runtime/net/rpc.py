@@ -309,21 +309,26 @@ class AsyncCalls:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+def _raised_by_daemon(e: grpc.RpcError) -> bool:
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return any(key == ATOLL_ERROR_KEY for key, _ in trailing or ())
+
+
 def unreachable(e: BaseException | None) -> bool:
     """Whether a call's error says its daemon was not reached (or went away mid-call), rather than
     an error the daemon raised itself."""
     if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
         return False
-    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-    return not any(key == ATOLL_ERROR_KEY for key, _ in trailing or ())
+    return not _raised_by_daemon(e)
 
 
 def as_atoll_error(e: grpc.RpcError, what: str, unavailable=errors.WorkerUnavailable) -> errors.AtollError:
     """The atoll error of a failed call; ``unavailable`` is the error of a daemon not reached
-    (ControllerUnavailable for a client's calls). An UNAVAILABLE the daemon raised keeps its words."""
+    (ControllerUnavailable for a client's calls). An UNAVAILABLE or DEADLINE_EXCEEDED the daemon
+    raised keeps its words (a wait of its own that ran out names what it waited for)."""
     code, details = e.code(), e.details() or ""
     if unreachable(e):
         return unavailable(f"{what}: {unavailable.DAEMON} unreachable ({details})")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not _raised_by_daemon(e):
         return errors.DeadlineExceeded(f"{what}: no answer before the deadline")
     return errors.from_status(code, details)

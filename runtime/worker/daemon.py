@@ -19,6 +19,7 @@ from atoll.errors import AtollError, DeadlineExceeded, InvalidInput, Unauthentic
 from atoll.net import address as _address
 from atoll.net import log as _log
 from atoll.net.rpc import Endpoint, Health, make_server
+from atoll.worker.ps.service import ParameterServerService
 from atoll.worker.service import WorkerService
 
 log = logging.getLogger("atoll.worker.daemon")
@@ -78,6 +79,7 @@ class WorkerDaemon:
         self.service = WorkerService(device=device, host=advertise_host or host, token=token, bind_host=host)
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
+        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(self.service, token), self.server)
         self.health = Health(self.server, "atoll.v1.Worker")
         """grpc.health.v1: SERVING while registered and its heartbeats reach the controller."""
         self._token = token

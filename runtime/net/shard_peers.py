@@ -1,0 +1,57 @@
+"""Calls to a job's server shards, each tried down its chain: the head first, and a member that
+does not answer is passed over (and for good) for the next, which holds the same state."""
+
+from __future__ import annotations
+
+import threading
+
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
+from atoll.errors import WorkerUnavailable
+from atoll.net.rpc import Endpoint
+
+
+class ShardPeers:
+    def __init__(self, addresses: list[str], chains: list[list[int]], token: str, timeout_s: float):
+        self._endpoints = [Endpoint(a, token, pb_grpc.ParameterServerStub, timeout_s) for a in addresses]
+        self._chains = [list(c) for c in chains]
+        self._unreachable: set[int] = set()
+        self._lock = threading.Lock()
+
+    def chain(self, shard: int) -> list[int]:
+        with self._lock:
+            return [s for s in self._chains[shard] if s not in self._unreachable]
+
+    def reconfigure(self, chains: list[list[int]]) -> None:
+        with self._lock:
+            self._chains = [list(c) for c in chains]
+
+    def call(self, shard: int, method: str, request, members: list[int] | None = None, skip=(WorkerUnavailable,)):
+        """``method`` on the first member of ``shard``'s chain that answers (``members``: these
+        instead, in this order), passing over members whose call raises one of ``skip``."""
+        tried = []
+        for server in self.chain(shard) if members is None else members:
+            try:
+                return self._endpoints[server].call(method, request)
+            except skip as e:
+                tried.append(f"server {server}: {e}")
+                if isinstance(e, WorkerUnavailable):
+                    with self._lock:
+                        self._unreachable.add(server)
+        raise WorkerUnavailable(f"shard {shard}: no server of its chain answers ({'; '.join(tried) or 'chain empty'})")
+
+    def forward(self, server: int, method: str, request) -> bool:
+        """``method`` on one server; False (and passed over from now on) if it does not answer."""
+        try:
+            self._endpoints[server].call(method, request)
+            return True
+        except WorkerUnavailable:
+            with self._lock:
+                self._unreachable.add(server)
+            return False
+
+    def join(self, shard: int, server: int) -> None:
+        """``server`` joins the tail of ``shard``'s chain (it now holds a copy)."""
+        with self._lock:
+            if server not in self._chains[shard]:
+                self._chains[shard].append(server)
+            self._unreachable.discard(server)
