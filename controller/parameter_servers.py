@@ -133,6 +133,20 @@ class ParameterServers:
             raise NotFound(f"unknown parameter-server job {job_id!r} (closed, or never submitted)")
         return job
 
+    def infos(self) -> list[pb.JobInfo]:
+        """The jobs as ``atoll status`` lists them (their steps run client to task: not counted here)."""
+        return [
+            pb.JobInfo(
+                job_id=job.job_id,
+                name=job.job_id,
+                state="ready",
+                workers=[w.worker_id for w in job.workers],
+                schedule=f"parameter-server {job.config.consistency}",
+                stages=len(job.tasks),
+            )
+            for job in list(self._jobs.values())
+        ]
+
     def close(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
         if job is None:

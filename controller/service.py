@@ -230,7 +230,9 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def Status(self, request, context):
-        return self.reports.status(request)
+        reply = self.reports.status(request)
+        reply.jobs.extend(self.parameter_servers.infos())
+        return reply
 
     def run_lease_checks(self) -> None:
         """Close, in the background, every job whose client session's lease has run out."""

@@ -68,6 +68,8 @@ def test_sequential_equals_synchronous_data_parallelism_in_one_process(client4, 
         rows_per_key=300, sparse=case != "table-as-dense-adamw",
     ) as job:  # fmt: skip
         assert any(k.sparse for k in job.keys) == (case == "sparse-sgd")
+        listed = {j.job_id: j for j in client4.status().jobs}[job.job_id]
+        assert listed.schedule == "parameter-server sequential" and len(listed.workers) == 4
         losses, records = _run_rounds(job, rounds)
         for got, ref in zip(losses, ref_losses):
             assert_losses_match(got, ref, RTOL)

@@ -166,6 +166,20 @@ def _chunked_reply(service: str, method: str, head, data: bytes):
     return chunked.parse(chunked.message_types(service, method)[1], head, data, f"reply of {method}")
 
 
+class Answer:
+    """The reply of a call in flight (``Endpoint.start``)."""
+
+    def __init__(self, future, what: str, unavailable: type[errors.AtollError]):
+        self._future, self._what, self._unavailable = future, what, unavailable
+
+    def result(self):
+        """The reply, or the call's atoll error (as ``Endpoint.call`` raises it)."""
+        try:
+            return self._future.result()
+        except grpc.RpcError as e:
+            raise as_atoll_error(e, self._what, self._unavailable) from None
+
+
 class Endpoint:
     """A connection to one daemon: every call carries the token and a deadline."""
 
@@ -198,6 +212,13 @@ class Endpoint:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise as_atoll_error(e, what or f"{method} on {self.address}", self.unavailable) from None
+
+    def start(self, method: str, request, timeout_s: float | None = None) -> Answer:
+        """``call`` (of a method that is not chunked) started now and answered later, in gRPC's own
+        threads: several calls to several daemons in flight without a Python thread each."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        future = getattr(self._stub, method).future(request, timeout=timeout, metadata=self._metadata)
+        return Answer(future, f"{method} on {self.address}", self.unavailable)
 
     def stream(self, method: str, request, timeout_s: float | None = None):
         """A server-streaming call: an iterator of replies; errors come as atoll errors."""

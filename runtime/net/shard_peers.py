@@ -4,6 +4,7 @@ does not answer is passed over (and for good) for the next, which holds the same
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.errors import WorkerUnavailable
@@ -38,6 +39,24 @@ class ShardPeers:
                     with self._lock:
                         self._unreachable.add(server)
         raise WorkerUnavailable(f"shard {shard}: no server of its chain answers ({'; '.join(tried) or 'chain empty'})")
+
+    def start(self, shard: int, method: str, request) -> Callable[[], object]:
+        """``call`` started now on the chain's first member: a function that returns the reply
+        (trying the rest of the chain then, should that member not answer)."""
+        chain = self.chain(shard)
+        if not chain:
+            return lambda: self.call(shard, method, request)
+        answer = self._endpoints[chain[0]].start(method, request)
+
+        def result():
+            try:
+                return answer.result()
+            except WorkerUnavailable:
+                with self._lock:
+                    self._unreachable.add(chain[0])
+                return self.call(shard, method, request)
+
+        return result
 
     def forward(self, server: int, method: str, request) -> bool:
         """``method`` on one server; False (and passed over from now on) if it does not answer."""

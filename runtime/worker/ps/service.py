@@ -203,7 +203,5 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Unload(self, request, context):
         self._from_controller(context, "Unload")
         self._servers.pop(request.job_id, None)
-        task = self._tasks.pop(request.job_id, None)
-        if task is not None:
-            task.pool.shutdown(wait=False)
+        self._tasks.pop(request.job_id, None)
         return pb.Empty()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +49,19 @@ class _Step:
         self.waited_s = 0.0
         self.versions: dict[int, int] = {}
 
-    def pull(self, shard: int, keys: list[str], rows: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def pull(self, shard: int, keys: list[str], rows: list[tuple[str, torch.Tensor]]):
+        """Start a pull from ``shard`` (gRPC carries it, no thread of ours waits); a function
+        that returns its values."""
         task = self.task
         request = pb.PsPullRequest(
             job_id=task.job_id, shard=shard, task=task.index, iteration=task.iteration, keys=keys
         )
         for name, r in rows:
             request.rows.add(key=name, rows=tensor_to_pb(r))
-        reply = task.peers.call(shard, "Pull", request)
+        answer = task.peers.start(shard, "Pull", request)
+        return lambda: self._received(shard, answer(), rows)
+
+    def _received(self, shard: int, reply, rows) -> list[torch.Tensor]:
         values = [tensor_from_pb(v.tensor, v.name) for v in reply.values]
         self.pulled += sum(_nbytes(v) for v in values) + ROW_BYTES * sum(r.numel() for _, r in rows)
         self.staleness = max(self.staleness, reply.staleness)
@@ -73,12 +77,10 @@ class _Step:
         by_shard: dict[int, list[tuple[Key, torch.Tensor]]] = {}
         for k, r in asks:
             by_shard.setdefault(k.shard, []).append((k, r))
-        futures = {
-            s: self.task.pool.submit(self.pull, s, [], [(k.key, r) for k, r in parts]) for s, parts in by_shard.items()
-        }
+        pulls = {s: self.pull(s, [], [(k.key, r) for k, r in parts]) for s, parts in by_shard.items()}
         got = {}
         for s, parts in by_shard.items():
-            for (k, _), value in zip(parts, futures[s].result()):
+            for (k, _), value in zip(parts, pulls[s]()):
                 got[k.key] = value
         rows = torch.cat([got[k.key] for k, _ in asks]).requires_grad_(True)
         self.rows.append((param, unique, rows))
@@ -101,7 +103,6 @@ class Task:
         self.shards = len(layout.chains)
         chains = [list(c.servers) for c in layout.chains]
         self.peers = ShardPeers(list(layout.servers), chains, token, config.wait_timeout_s + 30.0)
-        self.pool = ThreadPoolExecutor(max(1, self.shards), thread_name_prefix=f"ps-{self.job_id}-pull")
         self._lock = threading.Lock()
         self.module, self.input_specs = self._load(graph)
 
@@ -147,8 +148,8 @@ class Task:
     def _step(self, inputs: list[torch.Tensor], emulated_compute_s: float) -> pb.PsStepReply:
         step = _Step(self)
         dense = {s: [k for k in self.keys if k.shard == s and not k.sparse] for s in range(self.shards)}
-        futures = {s: self.pool.submit(step.pull, s, [k.key for k in ks], []) for s, ks in dense.items() if ks}
-        pulled = {k.key: v for s, f in futures.items() for k, v in zip(dense[s], f.result())}
+        pulls = {s: step.pull(s, [k.key for k in ks], []) for s, ks in dense.items() if ks}
+        pulled = {k.key: v for s, answer in pulls.items() for k, v in zip(dense[s], answer())}
         params = {}
         for param, ks in self.keys_of.items():
             if not ks[0].sparse:
@@ -204,6 +205,6 @@ class Task:
                     requests[k.shard].rows.add(key=k.key, rows=tensor_to_pb(unique[inside]))
                     requests[k.shard].row_grads.add(name=k.key, tensor=tensor_to_pb(total[inside]))
                     pushed += _nbytes(total[inside]) + ROW_BYTES * int(inside.sum())
-        for f in [self.pool.submit(self.peers.call, s, "Push", r) for s, r in enumerate(requests)]:
-            f.result()
+        for answer in [self.peers.start(s, "Push", r) for s, r in enumerate(requests)]:
+            answer()
         return pushed
