@@ -6,8 +6,8 @@ model into keys and places them by consistent hashing (atoll.core.ps_layout), lo
 with the initial values of the shards its chains give it and each task with the graph, and answers
 with the tasks' addresses, which the client feeds straight. A dead server is left out of every
 chain (its shards' next replicas already hold every acknowledged update) and each shard it held is
-copied to another server to restore the replication; a dead task is dropped, and the servers stop
-waiting for it.
+copied from its chain's tail to another server, which joins the chain after it; a dead task is
+dropped, and the servers stop waiting for it.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class ParameterServers:
                         "parameter-server job %s: shard %d stays with %d replica(s)", job.job_id, shard, len(chain)
                     )
                     continue
-                adopt = pb.PsAdoptRequest(job_id=job.job_id, shard=shard, source=chain[0])
+                adopt = pb.PsAdoptRequest(job_id=job.job_id, shard=shard, source=chain[-1])  # the tail
                 try:
                     self._endpoint(job.servers[spare[0]]).call("Adopt", adopt)
                     chain.append(spare[0])

@@ -1,5 +1,6 @@
-"""Calls to a job's server shards, each tried down its chain: the head first, and a member that
-does not answer is passed over (and for good) for the next, which holds the same state."""
+"""Calls to a parameter-server job's shards, each tried down its chain: the head first, and a
+member that does not answer is passed over (and for good) for the next, which holds the same
+state; and a push passed down the chain, member to member."""
 
 from __future__ import annotations
 
@@ -58,15 +59,17 @@ class ShardPeers:
 
         return result
 
-    def forward(self, server: int, method: str, request) -> bool:
-        """``method`` on one server; False (and passed over from now on) if it does not answer."""
-        try:
-            self._endpoints[server].call(method, request)
-            return True
-        except WorkerUnavailable:
-            with self._lock:
-                self._unreachable.add(server)
-            return False
+    def pass_down(self, shard: int, me: int, method: str, request) -> None:
+        """Chain replication: ``method`` on the first server after ``me`` in ``shard``'s chain that
+        answers (it passes it on in turn); nothing when ``me`` is the tail."""
+        chain = self.chain(shard)
+        for server in chain[chain.index(me) + 1 :] if me in chain else []:
+            try:
+                self._endpoints[server].call(method, request)
+                return
+            except WorkerUnavailable:
+                with self._lock:
+                    self._unreachable.add(server)
 
     def join(self, shard: int, server: int) -> None:
         """``server`` joins the tail of ``shard``'s chain (it now holds a copy)."""

@@ -1,9 +1,11 @@
 """The ParameterServer gRPC service of a worker: the roles it plays in parameter-server jobs.
 
 A worker is a server (it holds replicas of some shards) or a task of a job. The controller loads,
-reconfigures (after a death) and unloads; tasks pull and push; the shard's head forwards each push
-down its chain before acknowledging it; clients feed tasks with ``Step`` straight, not through the
-controller. Every call carries the cluster token; the controller's also carry its key.
+reconfigures (after a death) and unloads; tasks pull and push; a push is chain-replicated: the
+shard's head applies it and passes it to the next server of the chain, which does the same, and
+each answers only once the rest of the chain has, so the task's acknowledgement means every
+replica applied it. Clients feed tasks with ``Step`` straight, not through the controller. Every
+call carries the cluster token; the controller's also carry its key.
 """
 
 from __future__ import annotations
@@ -131,17 +133,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         if any(g is None for _, g in push.sparse.values()):
             raise InvalidInput("a push's rows and row gradients must name the same keys")
         replica.check(request.task, push)
-        if request.forwarded:
+        with replica.order:  # one push at a time here, so each replica applies them in the head's order
             replica.push(request.task, request.iteration, push)
-            return pb.Empty()
-        with replica.order:  # this server heads the chain now: every replica applies in its order
-            replica.push(request.task, request.iteration, push)
-            forwarded = pb.PsPushRequest()
-            forwarded.CopyFrom(request)
-            forwarded.forwarded = True
-            for member in role.peers.chain(request.shard):
-                if member != role.index:
-                    role.peers.forward(member, "Push", forwarded)
+            role.peers.pass_down(request.shard, role.index, "Push", request)
         return pb.Empty()
 
     @rpc_handler
@@ -171,8 +165,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     @rpc_handler
     def Export(self, request, context):
-        """A copy of this server's replica of a shard, for ``joiner`` to hold from now on: it joins
-        the chain's tail in the same breath, so it misses no push after the copy."""
+        """A copy of this server's replica of a shard (the chain's tail), for ``joiner`` to hold from
+        now on: it joins the chain after this server in the same breath, so every push this
+        server applies after the copy is passed down to it."""
         role = self._server(request.job_id)
         replica = role.replica(request.shard)
         with replica.order:
@@ -183,7 +178,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     @rpc_handler
     def Adopt(self, request, context):
-        """Become a replica of a shard, copied from its head (re-replication after a death)."""
+        """Become a replica of a shard, copied from its chain's tail (re-replication after a death)."""
         self._from_controller(context, "Adopt")
         role = self._server(request.job_id)
         arrived = role.adopting.setdefault(request.shard, threading.Event())

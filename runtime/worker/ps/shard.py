@@ -52,7 +52,7 @@ class ShardReplica:
         """sequential: the pushes of the iteration under way, by task."""
         self.cond = threading.Condition()
         self.order = threading.Lock()
-        """Held by the head while it applies a push and forwards it down the chain, so every
+        """Held by each server while it applies a push and passes it down the chain, so every
         replica applies the shard's pushes in one order."""
 
     # ------------------------------------------------------------------ reads
@@ -90,7 +90,7 @@ class ShardReplica:
     # ------------------------------------------------------------------ writes
 
     def check(self, task: int, push: Push) -> None:
-        """Refuse a malformed push before anything is applied or forwarded."""
+        """Refuse a malformed push before anything is applied or passed on."""
         self._check_task(task)
         for name, grad in push.dense.items():
             key = self._key(name)
