@@ -22,8 +22,9 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.cluster.registry import WorkerRecord
 from atoll.core import ps_layout
+from atoll.core.ps_rules import Consistency, UpdateRule
 from atoll.core.wire import spec_of_pb_tensor, tensor_spec_to_pb
-from atoll.errors import AtollError, InvalidInput, NotFound
+from atoll.errors import AtollError, InvalidInput
 from atoll.net.rpc import Endpoint
 
 log = logging.getLogger("atoll.controller")
@@ -58,6 +59,9 @@ class ParameterServers:
         self._jobs: dict[str, PsJob] = {}
         self._ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="ps-load")
+        self._endpoints: dict[str, Endpoint] = {}
+        """One channel per worker address, for every job's calls to it."""
+        self._lock = threading.Lock()
 
     def holds_session(self, session: str) -> bool:
         return any(job.session == session for job in list(self._jobs.values()))
@@ -66,13 +70,21 @@ class ParameterServers:
         return job_id.startswith(ID_PREFIX) and job_id[len(ID_PREFIX) :].isdigit()
 
     def _endpoint(self, w: WorkerRecord) -> Endpoint:
-        return Endpoint(w.address, self._token, pb_grpc.ParameterServerStub, self._timeout_s, self._key)
+        with self._lock:
+            if w.address not in self._endpoints:
+                self._endpoints[w.address] = Endpoint(
+                    w.address, self._token, pb_grpc.ParameterServerStub, self._timeout_s, self._key
+                )
+            return self._endpoints[w.address]
 
     def submit(self, request: pb.PsProgram) -> pb.PsJobReply:
         config = request.config
         servers, tasks, replication = request.servers, config.tasks, request.replication or 1
         if tasks < 1:
             raise InvalidInput(f"a parameter-server job needs at least one task, got {tasks}")
+        # refused before any worker is placed
+        UpdateRule(config.optimizer, config.lr, config.weight_decay)
+        Consistency(config.consistency, config.max_delay, config.wait_timeout_s)
         values = {v.name: v.tensor for v in request.values}
         shapes = {name: tuple(spec_of_pb_tensor(t).shape) for name, t in values.items()}
         keys = ps_layout.split_keys(shapes, set(request.sparse_params), servers, request.rows_per_key or 65536)
@@ -126,12 +138,6 @@ class ParameterServers:
         futures = [self._pool.submit(self._endpoint(w).call, "Load", r) for w, r in calls]
         for f in futures:
             f.result()
-
-    def get(self, job_id: str) -> PsJob:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise NotFound(f"unknown parameter-server job {job_id!r} (closed, or never submitted)")
-        return job
 
     def infos(self) -> list[pb.JobInfo]:
         """The jobs as ``atoll status`` lists them (their steps run client to task: not counted here)."""

@@ -135,6 +135,16 @@ def test_sparse_rows_move_only_what_a_batch_touches(client4):
 def test_bad_input_gets_a_clear_error_and_changes_nothing(client4, cluster4):
     model = ps_cases.mlp()
     x, y = ps_cases.dense_batches(1, 1, dtype=torch.float32)[0][0]
+    for settings, message in (
+        ({"consistency": "strong"}, "consistency 'strong'"),
+        ({"optimizer": "lamb"}, "optimizer 'lamb'"),
+        ({"consistency": "bounded", "max_delay": -1}, "max_delay"),
+        ({"replication": 3}, "replication must be between 1 and the number of servers"),
+    ):
+        with pytest.raises(InvalidInput, match=message):
+            _submit(client4, model, (x, y), servers=2, workers=2, **settings)
+    with pytest.raises(atoll.NotEnoughWorkers):
+        _submit(client4, model, (x, y), servers=3, workers=2)
     with _submit(client4, model, (x, y), servers=2, workers=2, lr=0.05) as job:
         before = job.weights()
         key = job.keys[0]

@@ -39,6 +39,8 @@ class Consistency:
             raise InvalidInput(f"consistency {self.mode!r}: one of {', '.join(CONSISTENCIES)}")
         if self.max_delay < 0:
             raise InvalidInput(f"max_delay must be at least 0, got {self.max_delay}")
+        if not self.wait_timeout_s > 0:
+            raise InvalidInput(f"wait_timeout_s must be positive, got {self.wait_timeout_s}")
 
     def lag(self) -> int | None:
         """How far behind ``t`` the slowest task may be when a pull at ``t`` is served (None: any)."""
