@@ -68,19 +68,20 @@ TORCH_SCHEDULES = {
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zb_h1": "ScheduleInterleavedZeroBubble",  # its ZB1P, at one stage per rank
     "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
-MULTI_STAGE = {"interleaved_1f1b", "zb_h1", "zbv"}
+MULTI_STAGE = {"interleaved_1f1b", "zb_h1", "zbv", "dualpipev"}
 """torch's schedules that take a list of stages (one for ZB-H1)."""
 MLP_WIDTH, MLP_BLOCKS, MLP_OUT = 1024, 8, 16
 
 
 def virtual_stages(args, schedule: str) -> int:
-    return {"interleaved_1f1b": args.virtual_stages, "zbv": 2}.get(schedule, 1)
+    return {"interleaved_1f1b": args.virtual_stages, "zbv": 2, "dualpipev": 2}.get(schedule, 1)
 
 
 def stage_ids(rank: int, world: int, schedule: str, virtual: int) -> list[int]:
-    """The stages a rank holds: interleaved (rank + k * world), or a V for ZBV."""
-    if schedule == "zbv":
+    """The stages a rank holds: interleaved (rank + k * world), or a V for ZBV and DualPipeV."""
+    if schedule in ("zbv", "dualpipev"):
         return [rank, 2 * world - 1 - rank]
     return [rank + k * world for k in range(virtual)]
 
@@ -466,7 +467,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv,auto")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv,dualpipev,auto")
     parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="mlp: 8 x Linear(1024, 1024) + GELU")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
@@ -501,6 +502,9 @@ def main() -> None:
         cluster.client() as client,
     ):
         schedules = args.schedules.split(",")
+        if "dualpipev" in schedules and args.microbatches < 2 * args.ranks:  # as torch, atoll refuses it
+            print(f"dualpipev left out: it needs {2 * args.ranks} microbatches or more", file=sys.stderr)
+            schedules.remove("dualpipev")
         for schedule in (s for s in schedules if s != "auto"):
             rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
         auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None

@@ -46,7 +46,9 @@ def test_auto_without_measured_costs_uses_the_stages_flops():
     choice = _compile().schedule_choice
     assert choice.costs == "flops" and "forward-FLOP units" in choice.why
     two_chunks = _compile(virtual_stages=2).schedule_choice
-    assert {c.schedule for c in two_chunks.candidates} == {"interleaved_1f1b", "zbv"}
+    assert {c.schedule for c in two_chunks.candidates} == {"interleaved_1f1b", "zbv", "dualpipev"}
+    few = JobConfig(stages=2, microbatches=3, schedule="auto", virtual_stages=2)  # fewer than its 4 stages
+    assert few.auto_candidates() == ("zbv", "interleaved_1f1b")
 
 
 def test_auto_leaves_out_what_the_settings_refuse():

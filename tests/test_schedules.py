@@ -18,8 +18,18 @@ SIZES = [(2, 4), (4, 8), (4, 4)]  # (pipeline ranks, microbatches)
 
 
 def topology(schedule: str, ranks: int, microbatches: int) -> Topology:
-    virtual = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+    virtual = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
     return Topology(ranks=ranks, virtual_stages=virtual, microbatches=microbatches, schedule=schedule)
+
+
+def valid_topology(schedule: str, ranks: int, microbatches: int) -> Topology | None:
+    """``topology``; None where DualPipeV, which needs as many microbatches as stages, refuses
+    fewer, as it must."""
+    if schedule == "dualpipev" and microbatches < 2 * ranks:
+        with pytest.raises(InvalidInput, match="at least as many microbatches as stages"):
+            topology(schedule, ranks, microbatches)
+        return None
+    return topology(schedule, ranks, microbatches)
 
 
 # ----------------------------------------------------------------- torch's orders
@@ -84,6 +94,18 @@ def torch_zbv_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
     return {r: [str(a) for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(ranks)}
 
 
+def torch_dualpipev_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
+    """DualPipeV: torch's ScheduleDualPipeV, each overlapped pair (OVERLAP_F_B) as its forward then
+    its full backward, as atoll runs it."""
+    sched = object.__new__(torch_schedules.ScheduleDualPipeV)
+    sched.pp_group_size, sched._n_microbatches = ranks, microbatches
+    order = {}
+    for r in range(ranks):
+        acts = [a for a in sched._calculate_single_rank_operations(r) if a is not None]
+        order[r] = [str(x) for a in acts for x in (a.sub_actions or (a,))]
+    return order
+
+
 def torch_zero_bubble_order(ranks: int, microbatches: int) -> dict[int, list[str]]:
     """ZB-H1: torch's ScheduleInterleavedZeroBubble (its ZB1P) at one stage per rank, from the
     order it computes for every rank (its bubbles, None, left out)."""
@@ -97,7 +119,9 @@ def torch_zero_bubble_order(ranks: int, microbatches: int) -> dict[int, list[str
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
 def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
-    topo = topology(schedule, ranks, microbatches)
+    topo = valid_topology(schedule, ranks, microbatches)
+    if topo is None:
+        return
     ours = {r: [str(a) for a in acts] for r, acts in build_schedule(topo).items()}
     if schedule == "interleaved_1f1b":
         theirs = torch_interleaved_order(ranks, topo.virtual_stages, microbatches)
@@ -105,6 +129,8 @@ def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
         theirs = torch_zero_bubble_order(ranks, microbatches)
     elif schedule == "zbv":
         theirs = torch_zbv_order(ranks, microbatches)
+    elif schedule == "dualpipev":
+        theirs = torch_dualpipev_order(ranks, microbatches)
     else:
         theirs = torch_single_stage_order(schedule, ranks, microbatches)
     assert ours == theirs
@@ -113,7 +139,9 @@ def test_compute_order_matches_torch_pipelining(schedule, ranks, microbatches):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(("ranks", "microbatches"), SIZES)
 def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
-    topo = topology(schedule, ranks, microbatches)
+    topo = valid_topology(schedule, ranks, microbatches)
+    if topo is None:
+        return
     lowered = lower(build_schedule(topo), topo, chain_routes(topo))
     timeline = simulate(lowered.actions, topo, chain_routes(topo))
     assert 0 <= timeline.bubble_fraction < 1
@@ -122,9 +150,13 @@ def test_simulator_accepts_lowered_schedules(schedule, ranks, microbatches):
         for i, a in enumerate(actions):  # every receive is posted before the compute that reads it
             if a.kind is Kind.RECV_F:
                 assert actions.index(Action(a.stage, Kind.FORWARD, a.microbatch)) > i
-            if a.kind is Kind.RECV_B:
-                backward = Kind.BACKWARD_INPUT if schedule in ("zb_h1", "zbv") else Kind.BACKWARD
-                assert actions.index(Action(a.stage, backward, a.microbatch)) > i
+            if a.kind is Kind.RECV_B:  # DualPipeV splits some backwards and not others
+                backward = next(
+                    Action(a.stage, k, a.microbatch)
+                    for k in (Kind.BACKWARD, Kind.BACKWARD_INPUT)
+                    if Action(a.stage, k, a.microbatch) in actions
+                )
+                assert actions.index(backward) > i
 
 
 # ----------------------------------------------------------------- golden text
@@ -301,3 +333,22 @@ def test_simulator_requires_reduce_grad_on_every_holder_of_a_tied_parameter():
 
 def test_every_schedule_name_has_a_builder_and_no_builder_lacks_a_name():
     assert tuple(BUILDERS) == SCHEDULES
+
+
+@pytest.mark.parametrize(("ranks", "microbatches"), [(1, 2), (2, 5), (3, 7), (4, 11)])
+def test_dualpipev_runs_every_backward_once_in_torch_order(ranks, microbatches):
+    """DualPipeV at sizes the grid above does not reach: torch's order, and each stage's microbatch
+    gets one full backward or one input half and one weight half, the weight half after it."""
+    topo = topology("dualpipev", ranks, microbatches)
+    schedule = build_schedule(topo)
+    assert {r: [str(a) for a in acts] for r, acts in schedule.items()} == torch_dualpipev_order(ranks, microbatches)
+    for r, acts in schedule.items():
+        for stage in topo.stages_of(r):
+            for m in range(microbatches):
+                mine = [a.kind for a in acts if a.stage == stage and a.microbatch == m]
+                assert mine in (
+                    [Kind.FORWARD, Kind.BACKWARD],
+                    [Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT],
+                )
+    lowered = lower(schedule, topo, chain_routes(topo))
+    assert 0 <= simulate(lowered.actions, topo, chain_routes(topo)).bubble_fraction < 1

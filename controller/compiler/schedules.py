@@ -19,6 +19,11 @@ torch.distributed.pipelining executes for the same sizes (tests compare them):
   hand-off on rank P - 1), with split backwards; each rank warms up on its down chunk, then runs
   F, I, W of its two chunks in turn. At equal F, I and W costs it has no bubble. The order is
   torch's ScheduleZBVZeroBubble.
+- DualPipeV (DeepSeek-V3's DualPipe, folded into a V: the "cut-in-half" DualPipe of the DualPipe
+  repository): ZBV's placement, with the steady phase pairing one chunk's forward with the other
+  chunk's full backward (torch's OVERLAP_F_B; atoll runs the pair one after the other, as a
+  device without a second stream would), zero-bubble split backwards at the edges, and at least
+  as many microbatches as stages. The order is torch's ScheduleDualPipeV.
 """
 
 from __future__ import annotations
@@ -149,12 +154,70 @@ def _zbv_rank(topo: Topology, r: int) -> list[Action]:
     return [a for a in ops if a.microbatch < M]
 
 
+def dualpipev(topo: Topology) -> Schedule:
+    return {r: _dualpipev_rank(topo, r) for r in range(topo.ranks)}
+
+
+def _dualpipev_rank(topo: Topology, r: int) -> list[Action]:
+    P, M = topo.ranks, topo.microbatches
+    down, up = topo.stages_of(r)
+    ops: list[Action] = []
+    count: dict[tuple[int, str], int] = {}
+    pending_w: list[tuple[int, int]] = []  # (stage, microbatch) of input halves whose weight half waits
+
+    def emit(stage: int, kind: str) -> None:
+        key = (stage, "I" if kind == "B" else kind)  # a full backward counts as both halves
+        mb = count.get(key, 0)
+        ops.append({"F": F, "B": B, "I": I}[kind](stage, mb))
+        count[key] = mb + 1
+        if kind == "I":
+            pending_w.append((stage, mb))
+
+    def weight() -> None:
+        if pending_w:
+            ops.append(W(*pending_w.pop(0)))
+
+    for _ in range(2 * (P - r - 1)):  # down the V
+        emit(down, "F")
+    for _ in range(r + 1):
+        emit(down, "F")
+        emit(up, "F")
+    for _ in range(P - r - 1):  # the first microbatches come back up, zero-bubble
+        emit(up, "I")
+        weight()
+        emit(up, "F")
+    for _ in range(M - 2 * P + r + 1):  # the steady phase: one chunk's F beside the other's B
+        emit(down, "F")
+        emit(up, "B")
+        emit(up, "F")
+        emit(down, "B")
+    for _ in range(P - r - 1):
+        emit(up, "B")
+        emit(up, "F")
+        emit(down, "B")
+    split = False
+    for i in range(r + 1):  # the second half of the backwards split again, to fill the drain
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        emit(up, "I" if split else "B")
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        emit(down, "I" if split else "B")
+    for _ in range(P - r - 1):
+        weight()
+        emit(down, "I" if split else "B")
+    for _ in range(r + 1):
+        weight()
+    return ops
+
+
 BUILDERS: dict[str, Callable[[Topology], Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
     "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
 

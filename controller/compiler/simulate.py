@@ -69,9 +69,11 @@ def _recv_of(a: Action) -> Action:
     return Action(a.stage, paired(a.kind, "recv"), a.microbatch)
 
 
-def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
+def _inputs(a: Action, routes: Routes, backward_kind: dict | None = None) -> tuple[list[Action], list[Action]]:
     """What compute ``a`` consumes: (computes on this rank it takes over a local hand-off,
-    peers' SENDs whose data it receives). Forward data flows along the edges, gradients against them."""
+    peers' SENDs whose data it receives). Forward data flows along the edges, gradients against them.
+    ``backward_kind``: (stage, microbatch) -> the kind of its backward (B, or I where that one is
+    split: a schedule may split some and not others), where not ``a``'s own."""
     if a.kind.direction is None:  # a weight gradient: only its own stage's input gradient
         return [], []
     s, m, send = a.stage, a.microbatch, paired(a.kind, "send")
@@ -79,7 +81,8 @@ def _inputs(a: Action, routes: Routes) -> tuple[list[Action], list[Action]]:
         local = [Action(e.src, a.kind, m) for _, e in routes.local_in(s)]
         remote = [Action(e.src, send, m) for _, e in routes.remote_in(s)]
     else:
-        local = [Action(e.dst, a.kind, m) for _, e in routes.local_out(s) if e.differentiable]
+        kind = lambda stage: (backward_kind or {}).get((stage, m), a.kind)  # noqa: E731
+        local = [Action(e.dst, kind(e.dst), m) for _, e in routes.local_out(s) if e.differentiable]
         remote = [Action(e.dst, send, m) for _, e in routes.remote_out(s) if e.differentiable]
     return list(dict.fromkeys(local)), list(dict.fromkeys(remote))
 
@@ -115,6 +118,12 @@ def simulate(
     reduce_at = {r: next((i for i, a in enumerate(acts) if _meets_tied(a)), None) for r, acts in actions.items()}
     reduced: dict[int, float] = {}  # rank -> time its REDUCE_GRAD finished
     used = {a.kind for acts in actions.values() for a in acts}  # the schedule's kinds, for messages
+    backward_kind = {
+        (a.stage, a.microbatch): a.kind
+        for acts in actions.values()
+        for a in acts
+        if a.kind.category == "compute" and a.kind.direction == "backward"
+    }
 
     def blocker(rank: int, a: Action) -> str | None:
         """Why ``a`` cannot run yet, or None when it can."""
@@ -131,7 +140,7 @@ def simulate(
             needed = Action(a.stage, kind_of(a.kind.requires), a.microbatch) if a.kind.requires else None
             if needed is not None and needed not in done:
                 return f"waits for {needed}, not yet run on this rank"
-            local, remote = _inputs(a, routes)
+            local, remote = _inputs(a, routes, backward_kind)
             for producer in local:
                 if producer not in done:
                     return f"waits for {producer}, not yet run on this rank"
@@ -170,7 +179,7 @@ def simulate(
     def run(rank: int, a: Action) -> None:
         start = clock[rank]
         if a.is_compute:
-            local, remote = _inputs(a, routes)
+            local, remote = _inputs(a, routes, backward_kind)
             start = max([start, *(done[x] for x in local + remote)])
             if remote:
                 consumed.add(_recv_of(a))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atoll.core.mesh import Mesh
-from atoll.core.names import SCHEDULES
+from atoll.core.names import SCHEDULES, V_SCHEDULES
 from atoll.errors import InvalidInput
 
 
@@ -18,7 +18,7 @@ class Topology:
     """Pipeline ranks, one worker each."""
     virtual_stages: int = 1
     """Model chunks per rank; stage ``s`` runs on rank ``s % ranks`` (Megatron's interleaving), or,
-    under the V-shaped "zbv", on rank ``s`` on the way down and ``2 * ranks - 1 - s`` on the way up."""
+    under the V-shaped "zbv" and "dualpipev", on rank ``s`` on the way down and ``2 * ranks - 1 - s`` on the way up."""
     microbatches: int
     """Microbatches per step."""
     schedule: str = "gpipe"
@@ -40,15 +40,19 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
-        if self.schedule == "zbv" and self.virtual_stages != 2:
+        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
             raise InvalidInput(
-                "schedule 'zbv' runs two model chunks per rank in a V: "
+                f"schedule {self.schedule!r} runs two model chunks per rank in a V: "
                 f"give virtual_stages=2, got {self.virtual_stages}"
             )
-        if self.schedule not in ("interleaved_1f1b", "zbv") and self.virtual_stages != 1:
+        if self.schedule not in ("interleaved_1f1b", *V_SCHEDULES) and self.virtual_stages != 1:
             raise InvalidInput(
-                f"schedule {self.schedule!r} runs one stage per rank; "
-                f"virtual_stages={self.virtual_stages} needs 'interleaved_1f1b' (or 2 with 'zbv')"
+                f"schedule {self.schedule!r} runs one stage per rank; virtual_stages={self.virtual_stages} "
+                "needs 'interleaved_1f1b' (or 2 with 'zbv' or 'dualpipev')"
+            )
+        if self.schedule == "dualpipev" and self.microbatches < 2 * self.ranks:
+            raise InvalidInput(
+                f"dualpipev needs at least as many microbatches as stages ({2 * self.ranks}), got {self.microbatches}"
             )
         if self.schedule == "interleaved_1f1b":
             if self.microbatches % self.rounds:
@@ -93,12 +97,12 @@ class Topology:
         return self.microbatches // self.rounds
 
     def rank_of(self, stage: int) -> int:
-        if self.schedule == "zbv" and stage >= self.ranks:  # the V's way back up
+        if self.schedule in V_SCHEDULES and stage >= self.ranks:  # the V's way back up
             return 2 * self.ranks - 1 - stage
         return stage % self.ranks
 
     def stages_of(self, rank: int) -> list[int]:
-        if self.schedule == "zbv":
+        if self.schedule in V_SCHEDULES:
             return [rank, 2 * self.ranks - 1 - rank]
         return [rank + chunk * self.ranks for chunk in range(self.virtual_stages)]
 

@@ -113,7 +113,7 @@ class JobConfig:
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
         ``virtual_stages`` chunks per worker, less the split-backward ones where the job's settings
-        refuse them (``split_backward_refused``)."""
+        refuse them (``split_backward_refused``) and DualPipeV where it has fewer microbatches than stages."""
         names = AUTO_CANDIDATES.get(self.virtual_stages)
         if names is None:
             known = ", ".join(map(str, AUTO_CANDIDATES))
@@ -122,6 +122,8 @@ class JobConfig:
             )
         if self.split_backward_refused():
             names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
+        if self.microbatches < 2 * self.stages:  # DualPipeV needs as many microbatches as stages
+            names = tuple(n for n in names if n != "dualpipev")
         return names
 
     def split_backward_refused(self) -> str:
