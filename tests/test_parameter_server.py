@@ -168,6 +168,13 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(client4, cluster4):
         assert job.step_task(0, x, y).iteration == 0  # and the job still serves
 
 
+def _wait_declared_dead(client, worker_id: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(w.worker_id == worker_id and w.alive for w in client.status().workers):
+        assert time.monotonic() < deadline, f"{worker_id} was not declared dead in {timeout_s}s"
+        time.sleep(0.2)
+
+
 def test_a_dead_server_loses_no_acknowledged_update_and_is_replaced():
     """3 servers, replication 2: server 1 dies mid-run, then (its shards copied to the survivors)
     server 2: every shard still has a replica, and the final weights are the uninterrupted ones."""
@@ -181,7 +188,8 @@ def test_a_dead_server_loses_no_acknowledged_update_and_is_replaced():
         losses, _ = _run_rounds(job, rounds[:3])
         cluster.kill_worker(index[pids[job.server_worker_ids[1]]])
         more, _ = _run_rounds(job, rounds[3:6])  # served by the replicas at once
-        time.sleep(5.0)  # the controller declares it dead and copies its shards (heartbeat timeout 2 s)
+        _wait_declared_dead(client, job.server_worker_ids[1])
+        time.sleep(1.0)  # the controller copies its shards when it declares it dead
         cluster.kill_worker(index[pids[job.server_worker_ids[2]]])
         last, _ = _run_rounds(job, rounds[6:])
         for got, ref in zip(losses + more + last, ref_losses):

@@ -34,9 +34,12 @@ def _memory_matches(job, exact_last: bool) -> None:
             assert abs(predicted["total"] - measured) <= 0.01 * measured, f"rank {rank}"
 
 
+CASES = [(s, m) for s in ("zb_h1", "zbv", "dualpipev") for m in MODELS if (s, m) != ("dualpipev", models.mlp)]
+"""DualPipeV's chain case is left out: its skip-edge and tied-weight cases hold a chain and more."""
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("make", MODELS, ids=[m.__name__ for m in MODELS])
-@pytest.mark.parametrize("schedule", ["zb_h1", "zbv", "dualpipev"])
+@pytest.mark.parametrize(("schedule", "make"), CASES, ids=[f"{s}-{m.__name__}" for s, m in CASES])
 def test_zero_bubble_matches_single_process(client4, schedule, make):
     """ZB-H1 on 4 workers (4 stages); ZBV on 4 workers with 2 chunks each in a V (8 stages: the
     first and last share worker 0, the turn of the V is a local hand-off on worker 3); DualPipeV
