@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +32,10 @@ from atoll.net.rpc import Endpoint
 log = logging.getLogger("atoll.controller")
 
 ID_PREFIX = "ps"
+ID_PATTERN = re.compile(r"ps[0-9]+-[0-9a-f]{6}")
+"""A job's id: a number and this controller's random tag, so that a restarted controller (which
+does not know the jobs of its predecessor: their workers still serve their clients) gives no id
+twice to the workers' roles."""
 
 
 @dataclass(eq=False)
@@ -58,6 +64,7 @@ class ParameterServers:
         self._token, self._key, self._timeout_s = token, controller_key, timeout_s
         self._jobs: dict[str, PsJob] = {}
         self._ids = itertools.count(1)
+        self._tag = secrets.token_hex(3)
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="ps-load")
         self._endpoints: dict[str, Endpoint] = {}
         """One channel per worker address, for every job's calls to it."""
@@ -67,7 +74,7 @@ class ParameterServers:
         return any(job.session == session for job in list(self._jobs.values()))
 
     def owns(self, job_id: str) -> bool:
-        return job_id.startswith(ID_PREFIX) and job_id[len(ID_PREFIX) :].isdigit()
+        return ID_PATTERN.fullmatch(job_id) is not None
 
     def _endpoint(self, w: WorkerRecord) -> Endpoint:
         with self._lock:
@@ -91,7 +98,7 @@ class ParameterServers:
         chains = ps_layout.chains(servers, replication)
         with self._jobs_lock:
             workers = self._place(servers + tasks, "cpu", (), False)
-            job_id = f"{ID_PREFIX}{next(self._ids)}"
+            job_id = f"{ID_PREFIX}{next(self._ids)}-{self._tag}"
             for w in workers:
                 w.jobs.add(job_id)
         job = PsJob(job_id, pb.PsConfig(), workers[:servers], workers[servers:], chains, request.session)
