@@ -93,7 +93,8 @@ class ParameterServers:
         UpdateRule(config.optimizer, config.lr, config.weight_decay)
         Consistency(config.consistency, config.max_delay, config.wait_timeout_s)
         values = {v.name: v.tensor for v in request.values}
-        shapes = {name: tuple(spec_of_pb_tensor(t).shape) for name, t in values.items()}
+        specs = {name: spec_of_pb_tensor(t) for name, t in values.items()}
+        shapes = {name: spec.shape for name, spec in specs.items()}
         keys = ps_layout.split_keys(shapes, set(request.sparse_params), servers, request.rows_per_key or 65536)
         chains = ps_layout.chains(servers, replication)
         with self._jobs_lock:
@@ -115,7 +116,7 @@ class ParameterServers:
         layout.servers.extend(w.address for w in job.servers)
         layout.chains.extend(pb.PsChain(servers=c) for c in chains)
         layout.param_names.extend(values)
-        layout.params.extend(tensor_spec_to_pb(spec_of_pb_tensor(t)) for t in values.values())
+        layout.params.extend(tensor_spec_to_pb(spec) for spec in specs.values())
         job.config = config
         self._jobs[job_id] = job
         try:

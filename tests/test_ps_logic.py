@@ -41,7 +41,7 @@ def test_tables_split_into_row_ranges_and_chains_follow_the_ring():
 
 def test_predicted_bytes_count_touched_rows_both_ways():
     keys = ps_layout.split_keys({"emb": (1000, 8), "w": (4, 8)}, {"emb"}, 2, 300)
-    pulled, pushed = ps_layout.step_bytes(keys, {"emb": 32, "w": 32}, {"emb": 32000, "w": 128}, {"emb": [1, 2, 700]})
+    pulled, pushed = ps_layout.step_bytes(keys, {"emb": 32, "w": 32}, {"emb": [1, 2, 700]})
     assert pulled == pushed == 3 * (32 + 8) + 128
 
 

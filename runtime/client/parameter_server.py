@@ -27,7 +27,7 @@ from atoll.client.export import as_leaves
 from atoll.core import ps_layout
 from atoll.core.graphs import serialize
 from atoll.core.ps_rules import Consistency, UpdateRule
-from atoll.core.wire import tensor_from_pb, tensor_to_pb
+from atoll.core.wire import tensor_from_pb, tensor_spec_from_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, NotFound, WorkerUnavailable
 from atoll.net.rpc import Endpoint
 from atoll.net.shard_peers import ShardPeers
@@ -210,17 +210,12 @@ class ParameterServerJob:
     def predicted_step_bytes(self, touched: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
         """(pulled, pushed) payload bytes of one task step whose batch reads, for each sparse
         parameter (the model's name), the rows in ``touched``."""
-        specs = {n: (tuple(s.shape), s.dtype) for n, s in zip(self.layout.param_names, self.layout.params)}
-        size = {n: torch.empty((), dtype=getattr(torch, d)).element_size() for n, (_, d) in specs.items()}
-        row_bytes, dense_bytes = {}, {}
-        for n, (shape, _) in specs.items():
-            elems = 1
-            for d in shape:
-                elems *= d
-            dense_bytes[n] = elems * size[n]
-            row_bytes[n] = elems // (shape[0] if shape else 1) * size[n]
+        row_bytes = {}
+        for name, msg in zip(self.layout.param_names, self.layout.params):
+            spec = tensor_spec_from_pb(msg, name)
+            row_bytes[name] = spec.nbytes // (spec.shape[0] if spec.shape else 1)
         rows = {PREFIX + n: sorted(set(t.flatten().tolist())) for n, t in (touched or {}).items()}
-        return ps_layout.step_bytes(self.keys, row_bytes, dense_bytes, rows)
+        return ps_layout.step_bytes(self.keys, row_bytes, rows)
 
     def close(self) -> None:
         self.client._call("CloseJob", pb.JobRef(job_id=self.job_id))

@@ -84,24 +84,16 @@ def chains(servers: int, replication: int) -> list[list[int]]:
     return [[(i + j) % servers for j in range(replication)] for i in range(servers)]
 
 
-def step_bytes(
-    keys: list[Key], row_bytes: dict[str, int], dense_bytes: dict[str, int], touched: dict[str, list[int]]
-) -> tuple[int, int]:
-    """(pulled, pushed) payload bytes of one task step: every dense key's value and gradient,
-    and for each sparse parameter the unique rows the batch touches (``touched``: parameter ->
-    row numbers), each row's value or gradient (``row_bytes``) and its number (8 bytes) both ways."""
-    pulled = pushed = 0
+def step_bytes(keys: list[Key], row_bytes: dict[str, int], touched: dict[str, list[int]]) -> tuple[int, int]:
+    """(pulled, pushed) payload bytes of one task step: every dense key's value and gradient, and
+    for each sparse parameter the unique rows the batch touches (``touched``: parameter -> row
+    numbers), each row's value or gradient and its number (8 bytes) both ways. ``row_bytes``:
+    parameter -> the bytes of one row (of a scalar: the whole)."""
+    moved = 0
     for k in keys:
         if k.sparse:
             n = sum(k.row_start <= r < k.row_end for r in touched.get(k.param, ()))
-            pulled += n * (row_bytes[k.param] + ROW_BYTES)
-            pushed += n * (row_bytes[k.param] + ROW_BYTES)
+            moved += n * (row_bytes[k.param] + ROW_BYTES)
         else:
-            size = dense_bytes[k.param] * k.rows // max(1, _rows_of(keys, k.param))
-            pulled += size
-            pushed += size
-    return pulled, pushed
-
-
-def _rows_of(keys: list[Key], param: str) -> int:
-    return max(k.row_end for k in keys if k.param == param)
+            moved += k.rows * row_bytes[k.param]
+    return moved, moved

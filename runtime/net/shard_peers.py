@@ -61,15 +61,14 @@ class ShardPeers:
 
     def pass_down(self, shard: int, me: int, method: str, request) -> None:
         """Chain replication: ``method`` on the first server after ``me`` in ``shard``'s chain that
-        answers (it passes it on in turn); nothing when ``me`` is the tail."""
+        answers (it passes it on in turn); nothing when ``me`` is the tail, or none after it answers."""
         chain = self.chain(shard)
-        for server in chain[chain.index(me) + 1 :] if me in chain else []:
+        after = chain[chain.index(me) + 1 :] if me in chain else []
+        if after:
             try:
-                self._endpoints[server].call(method, request)
-                return
-            except WorkerUnavailable:
-                with self._lock:
-                    self._unreachable.add(server)
+                self.call(shard, method, request, members=after)
+            except WorkerUnavailable:  # every member after this one is gone: this one is the tail now
+                pass
 
     def join(self, shard: int, server: int) -> None:
         """``server`` joins the tail of ``shard``'s chain (it now holds a copy)."""

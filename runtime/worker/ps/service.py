@@ -18,12 +18,12 @@ from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.core.ps_layout import Key
 from atoll.core.ps_rules import Consistency, UpdateRule
 from atoll.core.wire import tensor_from_pb, tensor_to_pb
-from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, NotPermitted
-from atoll.net.auth import from_controller
+from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
 from atoll.net.rpc import rpc_handler
 from atoll.net.shard_peers import ShardPeers
 from atoll.worker.ps.shard import Push, ShardReplica
 from atoll.worker.ps.task import Task
+from atoll.worker.service import controller_only
 
 
 def keys_from_pb(layout: pb.PsLayout) -> list[Key]:
@@ -73,9 +73,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         self._servers: dict[str, _ServerRole] = {}
         self._tasks: dict[str, Task] = {}
 
-    def _from_controller(self, context, method: str) -> None:
-        if not from_controller(context, self._worker.controller_key):
-            raise NotPermitted(f"{method}: only the controller this worker registered with may call it")
+    @property
+    def controller_key(self) -> str:
+        """The key of the controller the worker registered with (``controller_only`` checks it)."""
+        return self._worker.controller_key
 
     def _server(self, job_id: str) -> _ServerRole:
         role = self._servers.get(job_id)
@@ -84,8 +85,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return role
 
     @rpc_handler
+    @controller_only
     def Load(self, request, context):
-        self._from_controller(context, "Load")
         config = request.config
         keys = keys_from_pb(config.layout)
         _rules(config)  # a bad optimizer or consistency is refused before anything is kept
@@ -150,8 +151,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return task.step(tensors, request.emulated_compute_s)
 
     @rpc_handler
+    @controller_only
     def Reconfigure(self, request, context):
-        self._from_controller(context, "Reconfigure")
         chains = [list(c.servers) for c in request.chains]
         if request.job_id in self._tasks:
             self._tasks[request.job_id].peers.reconfigure(chains)
@@ -177,9 +178,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return pb.PsShardState(values=named(values), clock=clock, pending=named(pending))
 
     @rpc_handler
+    @controller_only
     def Adopt(self, request, context):
         """Become a replica of a shard, copied from its chain's tail (re-replication after a death)."""
-        self._from_controller(context, "Adopt")
         role = self._server(request.job_id)
         arrived = role.adopting.setdefault(request.shard, threading.Event())
         try:
@@ -195,8 +196,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return pb.Empty()
 
     @rpc_handler
+    @controller_only
     def Unload(self, request, context):
-        self._from_controller(context, "Unload")
         self._servers.pop(request.job_id, None)
         self._tasks.pop(request.job_id, None)
         return pb.Empty()

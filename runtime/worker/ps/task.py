@@ -101,6 +101,8 @@ class Task:
             self.keys_of.setdefault(k.param, []).append(k)
         layout = config.layout
         self.shards = len(layout.chains)
+        self.dense_by_shard = {s: [k for k in keys if k.shard == s and not k.sparse] for s in range(self.shards)}
+        """The dense keys each step pulls whole, by shard (none: the shard is read by lookups only)."""
         chains = [list(c.servers) for c in layout.chains]
         self.peers = ShardPeers(list(layout.servers), chains, token, config.wait_timeout_s + 30.0)
         self._lock = threading.Lock()
@@ -147,7 +149,7 @@ class Task:
 
     def _step(self, inputs: list[torch.Tensor], emulated_compute_s: float) -> pb.PsStepReply:
         step = _Step(self)
-        dense = {s: [k for k in self.keys if k.shard == s and not k.sparse] for s in range(self.shards)}
+        dense = self.dense_by_shard
         pulls = {s: step.pull(s, [k.key for k in ks], []) for s, ks in dense.items() if ks}
         pulled = {k.key: v for s, answer in pulls.items() for k, v in zip(dense[s], answer())}
         params = {}
