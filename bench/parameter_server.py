@@ -31,19 +31,19 @@ import datetime
 import json
 import os
 import platform
-import queue
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipeline import TorchSide, median  # noqa: E402
 
 import atoll  # noqa: E402
 
@@ -67,11 +67,6 @@ def is_slow(pattern: str, task: int, step: int, tasks: int) -> bool:
     if pattern == "none":
         return False
     return task == (step % tasks if pattern == "rotating" else 0)
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 # ------------------------------------------------------------------ atoll
@@ -154,7 +149,8 @@ def _ddp_rank(rank: int, world: int, port: int, args, go, results) -> None:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    while (request := go[rank].get()) is not None:
+    results.put("ready")
+    while (request := go[rank].get()) != 0:  # TorchSide.close sends 0
         pattern, delay_s, steps = request
         durations = []
         dist.barrier()
@@ -173,42 +169,29 @@ def _ddp_rank(rank: int, world: int, port: int, args, go, results) -> None:
     dist.destroy_process_group()
 
 
+class DdpSide(TorchSide):
+    """DDP ranks in their own processes, each request run between two barriers (bench/pipeline.py's TorchSide)."""
+
+    def __init__(self, args):
+        self._start(_ddp_rank, args.tasks, (args,))
+
+    def ask(self, pattern: str, straggler_s: float, steps: int) -> tuple[float, float]:
+        """(task-steps/s, rank 0's median step) of ``steps`` steps under the straggler ``pattern``."""
+        for q in self.go:
+            q.put((pattern, straggler_s, steps))
+        return self._result(600)
+
+
 def ddp_side(args, pattern: str) -> dict:
-    ctx = mp.get_context("spawn")
-    go = [ctx.Queue() for _ in range(args.tasks)]
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_ddp_rank, args=(r, args.tasks, port, args, go, results)) for r in range(args.tasks)]
-    for p in procs:
-        p.start()
-
-    def ask(request) -> tuple[float, float]:
-        for q in go:
-            q.put(request)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                return results.get(timeout=1)
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a DDP rank died") from None
-        raise TimeoutError("DDP ranks did not answer in 600 s")
-
+    side = DdpSide(args)
     try:
-        ask(("none", 0.0, args.warmup))
-        _, step_s = ask(("none", 0.0, max(3, args.warmup)))
+        side.ask("none", 0.0, args.warmup)
+        _, step_s = side.ask("none", 0.0, max(3, args.warmup))
         straggler_s = 0.0 if args.compute_ms else 2 * step_s
-        rate, _ = ask((pattern, straggler_s, args.steps))
+        rate, _ = side.ask(pattern, straggler_s, args.steps)
         return {"task_steps_per_s": rate, "straggler_sleep_s": straggler_s}
     finally:
-        for q in go:
-            q.put(None)
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+        side.close()
 
 
 def main() -> None:

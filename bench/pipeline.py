@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
 
 import atoll  # noqa: E402
+from atoll.core.names import V_SCHEDULES  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
 TORCH_SCHEDULES = {
@@ -81,7 +82,7 @@ def virtual_stages(args, schedule: str) -> int:
 
 def stage_ids(rank: int, world: int, schedule: str, virtual: int) -> list[int]:
     """The stages a rank holds: interleaved (rank + k * world), or a V for ZBV and DualPipeV."""
-    if schedule in ("zbv", "dualpipev"):
+    if schedule in V_SCHEDULES:
         return [rank, 2 * world - 1 - rank]
     return [rank + k * world for k in range(virtual)]
 
