@@ -12,26 +12,20 @@ import torch
 import atoll
 from tests import models
 from tests.reference import assert_losses_match, assert_matches_reference, train_reference
+from tests.test_tensor_parallel import OPTIMIZERS
+from tests.test_tensor_parallel import _train as train_layout
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
-ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
+ADAMW = OPTIMIZERS["adamw"]  # the arguments test_tensor_parallel's runs use
 STEPS = 3
 
 
 def _train(client, model, batches, loss_fn, stages: int, zero: int, replicas: int = 2, **layout):
-    x, y = batches[0]
-    job = client.pipeline(
-        model, example_input=x, example_target=y, loss_fn=loss_fn, stages=stages, microbatches=2,
-        schedule="1f1b", optimizer="adamw", optimizer_args=ADAMW, data_parallel=replicas, zero=zero, **layout,
-    )  # fmt: skip
-    try:
-        results = [job.step_async(x, y).details() for x, y in batches]
-        state = job.state_dict()
-        output = job.forward(batches[0][0])
-    finally:
-        job.close()
-    return job, results, state, output
+    """test_tensor_parallel's run of a layout (1F1B, 2 microbatches), under AdamW with ZeRO."""
+    return train_layout(
+        client, model, batches, loss_fn, "adamw", stages=stages, data_parallel=replicas, zero=zero, **layout
+    )
 
 
 def _check_plan(job, results, stages: int, replicas: int = 2, island: int = 1) -> None:
