@@ -5,7 +5,14 @@ atoll's CudaIpcTransport between two worker-like processes (the receiver keeps `
 receives posted ahead, as a pipeline's receive slots do), and atoll's gloo transport through
 pinned host memory between the same two processes. Bandwidth counts each payload byte once.
 
-    python bench/transport.py [--sizes-mb 1 64] [--iters 200]
+    python bench/transport.py [--sizes-mb 1 64] [--iters 200] [--mps] [--orderings flags events]
+
+Each cuda_ipc row names its ordering (atoll.worker.transports.cuda_marks: GPU-side counters, or
+interprocess events). After the timed transfers each pair checks the ordering itself: 4 x depth
+transfers of different bytes, each compared on arrival with what was sent.
+
+``--mps`` measures the cuda_ipc rows a second time with the two processes sharing the GPU through a
+private CUDA MPS daemon (atoll.client.cuda_mps), as ``LocalCluster(cuda_mps=True)`` runs workers.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,61 +49,91 @@ def raw_copy_gbps(nbytes: int, iters: int) -> float:
     return nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def _make_transport(kind: str, store, rank: int, buffers_region: torch.Tensor, buffers: list[torch.Tensor]):
+def _make_transport(kind: str, store, rank: int, region: torch.Tensor, buffers: list[torch.Tensor], ordering):
     from atoll.worker.transports.cuda_ipc import CudaIpcTransport
     from atoll.worker.transports.gloo import GlooTransport
 
     if kind == "cuda_ipc":
+        peers = [1 - rank]
         return CudaIpcTransport(
-            store=store, rank=rank, peers=[1 - rank], region=buffers_region, buffers=buffers, timeout_s=TIMEOUT_S
+            store=store, rank=rank, peers=peers, region=region, buffers=buffers, timeout_s=TIMEOUT_S, ordering=ordering
         )
     return GlooTransport(store=store, rank=rank, world_size=2, hostname="127.0.0.1", timeout_s=TIMEOUT_S)
 
 
-def _peer(kind: str, rank: int, port: int, prefix: str, nbytes: int, iters: int, depth: int, out) -> None:
+def _payload(nbytes: int, n: int) -> torch.Tensor:
+    """Transfer n's bytes, the same in both processes and different from transfer n-1's."""
+    return ((torch.arange(nbytes, device="cuda") + n) % 251).to(torch.uint8)
+
+
+def _transfers(transport, rank: int, buffers: list[torch.Tensor], first_tag: int, sources, on_arrival=None) -> None:
+    """Rank 0 sends ``sources`` in order; rank 1 keeps ``len(buffers)`` receives posted ahead."""
+    count, depth = len(sources), len(buffers)
+    if rank == 0:
+        for h in [transport.send(src, 1, first_tag + i) for i, src in enumerate(sources)]:
+            h.wait(TIMEOUT_S)
+        return
+    posted = [transport.recv(buffers[i % depth], 0, first_tag + i) for i in range(min(depth, count))]
+    for i in range(count):
+        posted[i].wait(TIMEOUT_S)
+        if on_arrival is not None:
+            on_arrival(i, buffers[i % depth])
+        if i + depth < count:
+            posted.append(transport.recv(buffers[(i + depth) % depth], 0, first_tag + i + depth))
+
+
+def _peer(kind: str, ordering, rank: int, port: int, prefix: str, nbytes: int, iters: int, depth: int, out) -> None:
     torch.cuda.set_device(0)
     store = dist.PrefixStore(
         prefix, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     )
     region = torch.empty(depth * nbytes, dtype=torch.uint8, device="cuda")
-    buffers = [region[i * nbytes : (i + 1) * nbytes] for i in range(depth)] if rank == 1 else []
-    transport = _make_transport(kind, store, rank, region, buffers)
-    src = (torch.arange(nbytes, device="cuda") % 251).to(torch.uint8)  # the same bytes in both processes
-    rounds = [(10, False), (iters, True)]  # warm-up, then timed
-    tag = 0
-    for count, timed in rounds:
+    buffers = [region[i * nbytes : (i + 1) * nbytes] for i in range(depth)]
+    transport = _make_transport(kind, store, rank, region, buffers if rank == 1 else [], ordering)
+    src = _payload(nbytes, 0)
+    from atoll.worker.transports.cuda_marks import under_mps
+
+    tag, result = 0, {"ordering": getattr(transport, "ordering", None), "under_mps": under_mps()}
+    for count, timed in [(10, False), (iters, True)]:  # warm-up, then timed
         store.set(f"go/{rank}/{timed}", "1")
         store.wait([f"go/{1 - rank}/{timed}"])
         torch.cuda.synchronize()
         started = time.perf_counter()
-        if rank == 0:
-            handles = [transport.send(src, 1, tag + i) for i in range(count)]
-            for h in handles:
-                h.wait(TIMEOUT_S)
-        else:
-            posted = [transport.recv(buffers[i % depth], 0, tag + i) for i in range(min(depth, count))]
-            for i in range(count):
-                posted[i].wait(TIMEOUT_S)
-                if i + depth < count:
-                    posted.append(transport.recv(buffers[(i + depth) % depth], 0, tag + i + depth))
+        _transfers(transport, rank, buffers, tag, [src] * count)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - started
         tag += count
-        if timed and rank == 1:
-            ok = bool(torch.equal(buffers[(count - 1) % depth], src))
-            out.put({"gbps": nbytes * count / elapsed / 1e9, "elapsed_s": elapsed, "checked": ok})
+        if timed:
+            result.update(gbps=nbytes * count / elapsed / 1e9, elapsed_s=elapsed)
+    # then check the ordering: every transfer carries different bytes, and each must arrive whole
+    # before the receiver's stream reads it and not be overwritten before that read
+    checks = 4 * depth
+    wrong = []
+    sources = [_payload(nbytes, n) for n in range(1, checks + 1)]
     torch.cuda.synchronize()
+
+    def check(i: int, buffer: torch.Tensor) -> None:
+        if not torch.equal(buffer, sources[i]):
+            wrong.append(i)
+
+    _transfers(transport, rank, buffers, tag, sources, check)
+    torch.cuda.synchronize()
+    if rank == 1:
+        out.put({**result, "checked": not wrong, "wrong_transfers": wrong})
+    store.set(f"checked/{rank}", "1")  # the sender stays connected until every arrival was compared
+    store.wait([f"checked/{1 - rank}"])
     transport.close()  # before the barrier: neither process exits while the other maps its memory
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{1 - rank}"])
 
 
-def between_processes_gbps(kind: str, nbytes: int, iters: int, depth: int) -> dict:
+def between_processes_gbps(kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None) -> dict:
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     out = ctx.Queue()
     prefix = f"{kind}/{nbytes}/"
-    procs = [ctx.Process(target=_peer, args=(kind, r, store.port, prefix, nbytes, iters, depth, out)) for r in (0, 1)]
+    args = (kind, ordering)
+    procs = [ctx.Process(target=_peer, args=(*args, r, store.port, prefix, nbytes, iters, depth, out)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -118,28 +157,34 @@ def main() -> None:
     parser.add_argument(
         "--depths", type=int, nargs="+", default=[2, 8], help="receives posted ahead (receive slots), one row each"
     )
+    parser.add_argument("--mps", action="store_true", help="also measure cuda_ipc with the peers under CUDA MPS")
+    parser.add_argument(
+        "--orderings", nargs="+", default=["flags", "events"], help="cuda_ipc orderings to measure, one row each"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/transport.py needs a CUDA device")
     rows = []
-    for mb in args.sizes_mb:
-        nbytes = int(mb * 2**20)
-        raw = raw_copy_gbps(nbytes, args.iters)
-        gloo = between_processes_gbps("gloo", nbytes, args.gloo_iters, 2)
-        for depth in args.depths:
-            ipc = between_processes_gbps("cuda_ipc", nbytes, args.iters, depth)
-            row = {
-                "megabytes": mb,
-                "receives_posted_ahead": depth,
-                "raw_device_copy_GBps": round(raw, 1),
-                "atoll_cuda_ipc_GBps": round(ipc["gbps"], 1),
-                "ratio_cuda_ipc_to_raw": round(ipc["gbps"] / raw, 3),
-                "atoll_gloo_pinned_host_GBps": round(gloo["gbps"], 2),
-                "ratio_cuda_ipc_to_gloo": round(ipc["gbps"] / gloo["gbps"], 1),
-                "payloads_equal_source": bool(ipc["checked"] and gloo["checked"]),
-            }
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)  # what a run cut short still shows
+    sizes = [(mb, int(mb * 2**20)) for mb in args.sizes_mb]
+    raw = {mb: raw_copy_gbps(nbytes, args.iters) for mb, nbytes in sizes}
+    gloo = {mb: between_processes_gbps("gloo", nbytes, args.gloo_iters, 2) for mb, nbytes in sizes}
+    for mps in [False, True] if args.mps else [False]:
+        if mps:
+            from atoll.client.cuda_mps import CudaMps
+
+            daemon = CudaMps(Path(tempfile.mkdtemp(prefix="atoll-mps-")))
+            os.environ.update(daemon.env)  # the spawned peers connect to it when they first touch the GPU
+        try:
+            for mb, nbytes in sizes:
+                for ordering in args.orderings:
+                    rows += [
+                        _row(mb, nbytes, depth, raw[mb], gloo[mb], mps, args.iters, ordering) for depth in args.depths
+                    ]
+        finally:
+            if mps:
+                daemon.stop()
+                for name in daemon.env:
+                    os.environ.pop(name)
     print(
         json.dumps(
             {
@@ -152,6 +197,26 @@ def main() -> None:
             indent=2,
         )
     )
+
+
+def _row(mb: float, nbytes: int, depth: int, raw: float, gloo: dict, mps: bool, iters: int, ordering: str) -> dict:
+    ipc = between_processes_gbps("cuda_ipc", nbytes, iters, depth, ordering)
+    row = {
+        "megabytes": mb,
+        "receives_posted_ahead": depth,
+        "cuda_mps": mps,
+        "ordering": ipc["ordering"],
+        "peers_see_mps": ipc["under_mps"],
+        "raw_device_copy_GBps": round(raw, 1),
+        "atoll_cuda_ipc_GBps": round(ipc["gbps"], 1),
+        "ratio_cuda_ipc_to_raw": round(ipc["gbps"] / raw, 3),
+        "atoll_gloo_pinned_host_GBps": round(gloo["gbps"], 2),
+        "ratio_cuda_ipc_to_gloo": round(ipc["gbps"] / gloo["gbps"], 1),
+        "payloads_arrive_whole_and_in_order": bool(ipc["checked"] and gloo["checked"]),
+        "wrong_transfers": ipc["wrong_transfers"],
+    }
+    print(json.dumps(row), file=sys.stderr, flush=True)  # what a run cut short still shows
+    return row
 
 
 if __name__ == "__main__":

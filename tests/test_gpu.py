@@ -10,6 +10,9 @@ import copy
 import datetime
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ pytestmark = [
 
 RANKS, MICROBATCHES = 4, 8
 GPU_RTOL = 1e-4
+ROOT = Path(__file__).resolve().parent.parent
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 
@@ -126,6 +130,50 @@ def test_gloo_forced_between_gpu_workers_stages_through_pinned_memory(gpu_client
     assert [e["transport"] for e in plan.report["edges"]] == ["gloo"] * (RANKS - 1)
     ref_losses, ref_state = reference_cuda(model, batches, "sgd", args)
     assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize("ordering", ["flags", "events"])
+def test_cuda_ipc_delivers_every_transfer_whole_and_in_order(ordering):
+    """bench/transport.py at its smallest size, as its smoke test (in a process of its own, which
+    takes its peers and multiprocessing's helpers with it): two processes, two buffers, and
+    transfers of different bytes, each compared on arrival with what was sent (a copy that ran
+    before the receiver freed its buffer, or a read before the copy ended, shows as a wrong one)."""
+    command = [sys.executable, str(ROOT / "bench" / "transport.py"), "--sizes-mb", "1", "--iters", "20"]
+    command += ["--gloo-iters", "2", "--depths", "2", "--orderings", ordering]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)["results"]
+    report("transport_order", row=row)
+    assert row["ordering"] == ordering
+    assert row["payloads_arrive_whole_and_in_order"], f"transfers {row['wrong_transfers']} arrived wrong"
+    assert row["atoll_cuda_ipc_GBps"] > 0
+
+
+def test_counters_probe_runs_at_its_smallest_size():
+    """bench/counters_probe.py's smoke test: the GPU orders transfers by counters alone."""
+    command = [sys.executable, str(ROOT / "bench" / "counters_probe.py"), "--sizes-mb", "1", "--depths", "2"]
+    done = subprocess.run([*command, "--iters", "50"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    report("counters_probe", row=row)
+    assert row["whole"] and row["gbps"] > 0
+
+
+def test_events_ordering_trains_like_single_process_cuda(monkeypatch):
+    """The ordering used where the driver lacks stream memory operations, forced in the workers."""
+    from atoll.worker.transports.cuda_marks import ORDERING_ENV
+
+    monkeypatch.setenv(ORDERING_ENV, "events")
+    model, batches = gpt(layers=2, steps=3)
+    args = {"lr": 0.05, "momentum": 0.9}
+    with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1) as cluster:
+        with cluster.client() as client:
+            _, losses, state, _ = train_atoll(
+                client, model, batches, stages=2, microbatches=4, optimizer="sgd", optimizer_args=args
+            )
+    cuda_batches = [(xb.cuda(), yb.cuda()) for xb, yb in batches]
+    ref_losses, ref_state = train_reference(copy.deepcopy(model).cuda(), cuda_batches, lm_loss, 4, "sgd", args)
+    assert_matches_reference(losses, state, ref_losses, {k: v.cpu() for k, v in ref_state.items()}, rtol=GPU_RTOL)
 
 
 def test_nccl_cannot_be_forced_onto_one_gpu(gpu_client):

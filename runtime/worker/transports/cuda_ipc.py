@@ -5,22 +5,31 @@ device region holding all its receive buffers, allocated once at load and export
 sender opens it and copies each tensor straight into the right buffer (one device-to-device copy,
 no host round trip). See docs/gpu_data_plane.md for the protocol; in short:
 
-- receiver, at ``recv``: records buffer i's *free* event on its compute stream (the buffer's old
-  contents may still be read by queued kernels), then sends READY(tag, i) to the sender;
-- sender, when both its ``send(tag)`` and READY(tag, i) have arrived: on its communication stream,
-  waits for the source's producer and for *free*, copies, records buffer i's *filled* event, then
-  sends FILLED(tag);
+- receiver, at ``recv`` (the k-th use of buffer i): marks buffer i *free* for use k on its compute
+  stream (the buffer's old contents may still be read by queued kernels), then sends
+  READY(tag, i, k) to the sender;
+- sender, when both its ``send(tag)`` and READY(tag, i, k) have arrived: on its communication
+  stream, waits for the source's producer and for *free* use k, copies, marks buffer i *filled*
+  for use k, then sends FILLED(tag);
 - receiver, at ``wait``: waits (with a deadline) for FILLED(tag), then makes its compute stream
-  wait on *filled*. The host never blocks on the GPU.
+  wait for *filled* use k. The host never blocks on the GPU.
 
-Events are per buffer, created by the receiver and opened by the sender, so a re-recorded event
-never makes one copy wait on a later one. Notices travel on a localhost socket per peer pair
-(cuda_ipc peers share a host by definition); a closed socket fails every pending wait at once.
+The marks are GPU-side, per buffer, in one of two orderings (``ordering``):
+
+- ``flags`` (where the driver has them, outside MPS): two 32-bit counters per buffer in the
+  receiver's exported memory, written and awaited by the GPU itself (``cuStreamWriteValue32``
+  and ``cuStreamWaitValue32``, "wait until the counter is at least k"). On an H200, 64 MB
+  transfers between two processes ran at 0.64 of a copy inside one process, 0.41 with events;
+- ``events``: two interprocess CUDA events per buffer, recorded by one process and awaited by
+  the other's stream (``cuda_marks.py``; docs/gpu_data_plane.md has the measurements).
+
+Either way a mark is per buffer and per use, so a late copy never waits for a later one. Notices
+travel on a localhost socket per peer pair (cuda_ipc peers share a host by definition); a closed
+socket fails every pending wait at once, and releases this process's GPU waits on the counters.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import struct
@@ -29,52 +38,22 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll.worker.transports.cuda_marks import (
+    FILLED_MARK,
+    FREE_MARK,
+    EventMarks,
+    FlagMarks,
+    StreamMemoryOps,
+    b64,
+    choose_ordering,
+    export_region,
+    open_region,
+    unb64,
+)
 from atoll.worker.transports.gloo import DataPlaneError
 
-_NOTICE = struct.Struct("<qqq")  # kind, tag, buffer index
+_NOTICE = struct.Struct("<qqqq")  # kind, tag, buffer index, use of that buffer
 _READY, _FILLED, _HELLO = 1, 2, 3
-
-
-def _b64(value) -> str | None:
-    return None if value is None else base64.b64encode(bytes(value)).decode()
-
-
-def _unb64(value: str | None):
-    return None if value is None else base64.b64decode(value)
-
-
-def export_region(region: torch.Tensor) -> dict:
-    """The plain-data IPC description of ``region``'s storage (no pickling on either side)."""
-    shared = region.untyped_storage()._share_cuda_()
-    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = shared
-    return {
-        "device": device,
-        "handle": _b64(handle),
-        "size": size,
-        "offset": offset,
-        "ref_handle": _b64(ref_handle),
-        "ref_offset": ref_offset,
-        "event_handle": _b64(event_handle),
-        "event_sync": event_sync,
-        "storage_offset": region.storage_offset(),
-        "nbytes": region.nbytes,
-    }
-
-
-def open_region(info: dict) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared_cuda(
-        info["device"],
-        _unb64(info["handle"]),
-        info["size"],
-        info["offset"],
-        _unb64(info["ref_handle"]),
-        info["ref_offset"],
-        _unb64(info["event_handle"]),
-        info["event_sync"],
-    )
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{info['device']}")
-    flat.set_(storage, info["storage_offset"], (info["nbytes"],))
-    return flat
 
 
 @dataclass(slots=True)
@@ -83,15 +62,14 @@ class _Peer:
     sock: socket.socket
     buffers: list[torch.Tensor]  # the peer's receive buffers, as byte views of its opened region
     typed: dict  # (index, dtype, shape) -> that buffer viewed as the tensor sent into it
-    free: list[torch.cuda.Event]
-    filled: list[torch.cuda.Event]
+    marks: FlagMarks | EventMarks  # the peer's marks, opened here
     send_lock: threading.Lock
 
 
 class _Pending:
     """One side of a message: completes when its notice has been handled (or the peer fails)."""
 
-    __slots__ = ("done", "error", "what", "tensor", "produced", "index", "on_wait")
+    __slots__ = ("done", "error", "what", "tensor", "produced", "index", "use", "on_wait")
 
     def __init__(self, what: str, tensor: torch.Tensor):
         self.done = threading.Event()
@@ -100,6 +78,7 @@ class _Pending:
         self.tensor = tensor  # a send's source stays alive until its copy is queued
         self.produced: torch.cuda.Event | None = None
         self.index = -1
+        self.use = 0
         self.on_wait = None
 
     def wait(self, timeout_s: float) -> None:
@@ -113,7 +92,8 @@ class _Pending:
 
 class CudaIpcTransport:
     """Point-to-point between workers on one GPU. ``buffers`` are views of ``region`` (this rank's
-    receive buffers, in the plan's order); ``recv`` accepts only those."""
+    receive buffers, in the plan's order); ``recv`` accepts only those. ``ordering``: see the
+    module's docstring (``choose_ordering``); every peer must use the same."""
 
     name = "cuda_ipc"
 
@@ -126,20 +106,21 @@ class CudaIpcTransport:
         region: torch.Tensor,
         buffers: list[torch.Tensor],
         timeout_s: float,
+        ordering: str | None = None,
     ):
         self.rank = rank
+        self.ordering = choose_ordering(ordering)
         self.device = region.device
         self._lock = threading.Lock()
         self._closed = False
         self._broken = ""
         base = region.data_ptr()
         self._index = {b.data_ptr(): i for i, b in enumerate(buffers)}
-        self._free = [torch.cuda.Event(interprocess=True) for _ in buffers]
-        self._filled = [torch.cuda.Event(interprocess=True) for _ in buffers]
-        self._comm = torch.cuda.Stream(self.device)
+        self._uses = [0] * len(buffers)  # per buffer: receives posted into it so far
+        self._awaited: dict[int, int] = {}  # flags: buffer -> last use this process's GPU awaits filled
         self._region = region  # exported to the peers: held as long as they may write into it
         self._sends: dict[tuple[int, int], _Pending] = {}  # (peer, tag) -> send waiting for READY
-        self._ready: dict[tuple[int, int], int] = {}  # (peer, tag) -> READY's buffer index, send not posted yet
+        self._ready: dict[tuple[int, int], tuple[int, int]] = {}  # (peer, tag) -> READY's (buffer, use), no send yet
         self._recvs: dict[tuple[int, int], _Pending] = {}  # (peer, tag) -> receive waiting for FILLED
         self._peers: dict[int, _Peer] = {}
         self._on_comm = threading.local()  # set in reader threads, whose current stream is the comm stream
@@ -149,33 +130,52 @@ class CudaIpcTransport:
             "port": listener.getsockname()[1],
             "region": export_region(region),
             "buffers": [(b.data_ptr() - base, b.nbytes) for b in buffers],
-            "free": [_b64(e.ipc_handle()) for e in self._free],
-            "filled": [_b64(e.ipc_handle()) for e in self._filled],
+            "ordering": self.ordering,
         }
+        if self.ordering == "flags":
+            ops = StreamMemoryOps.load()
+            counters = torch.zeros(2 * max(1, len(buffers)), dtype=torch.int32, device=self.device)
+            self._marks = FlagMarks(ops, counters, len(buffers))
+            info["counters"] = export_region(counters)
+            # a copy's stream waits on a peer's counter: if that peer dies first, the wait never
+            # ends, so the stream is this transport's own, reused after close only if healthy
+            self._comm = ops.take_stream(self.device)
+            self._release_stream = torch.cuda.Stream(self.device)  # frees this process's own waits on failure
+        else:
+            self._comm = torch.cuda.Stream(self.device)
+            self._marks = EventMarks(
+                [torch.cuda.Event(interprocess=True) for _ in buffers],
+                [torch.cuda.Event(interprocess=True) for _ in buffers],
+            )
+            info["events"] = [[b64(e.ipc_handle()) for e in events] for events in self._marks.events]
+        torch.cuda.current_stream(self.device).synchronize()  # the counters' zeros are written before a peer reads them
         socks: dict[int, socket.socket] = {}
         try:
             store.set(f"cuda_ipc/{rank}", json.dumps(info))
             for p in sorted(x for x in peers if x < rank):  # the higher rank connects
                 port = json.loads(store.get(f"cuda_ipc/{p}"))["port"]
                 s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-                s.sendall(_NOTICE.pack(_HELLO, rank, 0))
+                s.sendall(_NOTICE.pack(_HELLO, rank, 0, 0))
                 socks[p] = s
             for _ in [x for x in peers if x > rank]:
                 s, _addr = listener.accept()
                 s.settimeout(timeout_s)
-                _kind, p, _ = _NOTICE.unpack(_recv_exact(s, _NOTICE.size))
+                _kind, p, _, _ = _NOTICE.unpack(_recv_exact(s, _NOTICE.size))
                 socks[p] = s
             for p, s in socks.items():
                 s.settimeout(None)  # the reader blocks; close() shuts the socket down to end it
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 peer_info = json.loads(store.get(f"cuda_ipc/{p}"))
+                if peer_info["ordering"] != self.ordering:
+                    raise ValueError(
+                        f"rank {p} orders transfers by {peer_info['ordering']}, this rank by {self.ordering}"
+                    )
                 self._peers[p] = _Peer(
                     rank=p,
                     sock=s,
                     buffers=_views(open_region(peer_info["region"]), peer_info["buffers"]),
                     typed={},
-                    free=[torch.cuda.Event.from_ipc_handle(self.device, _unb64(h)) for h in peer_info["free"]],
-                    filled=[torch.cuda.Event.from_ipc_handle(self.device, _unb64(h)) for h in peer_info["filled"]],
+                    marks=self._open_marks(peer_info),
                     send_lock=threading.Lock(),
                 )
         except (OSError, RuntimeError, KeyError, ValueError) as e:
@@ -204,11 +204,11 @@ class CudaIpcTransport:
         tensor.record_stream(self._comm)  # the allocator must not reuse it before the copy ran
         with self._lock:
             self._check()
-            index = self._ready.pop((peer, tag), None)
-            if index is None:
+            ready = self._ready.pop((peer, tag), None)
+            if ready is None:
                 self._sends[(peer, tag)] = pending
-        if index is not None:
-            self._copy(peer, tag, index, pending)
+        if ready is not None:
+            self._copy(peer, tag, *ready, pending)
         return pending
 
     def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> _Pending:
@@ -216,13 +216,15 @@ class CudaIpcTransport:
         if index is None:
             raise DataPlaneError(f"cuda_ipc receive from rank {peer}: not one of this rank's receive buffers")
         pending = _Pending(f"cuda_ipc receive from rank {peer} (tag {tag})", tensor)
-        pending.index = index
+        self._uses[index] += 1
+        pending.index, pending.use = index, self._uses[index]
         pending.on_wait = self._consume
-        self._free[index].record()  # queued readers of the old contents finish before the peer writes
+        # queued readers of the old contents finish before the peer writes
+        self._marks.mark(FREE_MARK, torch.cuda.current_stream(self.device), index, pending.use)
         with self._lock:
             self._check()
             self._recvs[(peer, tag)] = pending
-        self._notify(peer, _READY, tag, index)
+        self._notify(peer, _READY, tag, index, pending.use)
         return pending
 
     def close(self) -> None:
@@ -244,28 +246,63 @@ class CudaIpcTransport:
             if reader is not threading.current_thread():
                 reader.join(timeout=2.0)
         self._peers.clear()
+        if self.ordering == "flags" and not self._broken:
+            self._marks.ops.give_back(self._comm)
 
     # ------------------------------------------------------------------ internals
 
+    def _open_marks(self, info: dict) -> FlagMarks | EventMarks:
+        """A peer's marks, as this process writes and awaits them."""
+        if self.ordering == "flags":
+            counters = open_region(info["counters"]).view(torch.int32)
+            return FlagMarks(StreamMemoryOps.load(), counters, len(info["buffers"]))
+        free, filled = ([torch.cuda.Event.from_ipc_handle(self.device, unb64(h)) for h in hs] for hs in info["events"])
+        return EventMarks(free, filled)
+
     def _consume(self, pending: _Pending) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._filled[pending.index])
+        """The compute stream waits for the copy (its FILLED notice has arrived)."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.ordering != "flags":
+            self._marks.await_mark(FILLED_MARK, stream, pending.index, pending.use)
+            return
+        with self._lock:
+            self._awaited[pending.index] = pending.use
+            broken = self._broken
+        self._marks.await_mark(FILLED_MARK, stream, pending.index, pending.use)
+        if broken:  # the peer's connection ended after its FILLED: _release ran already, so again
+            self._release()
+
+    def _release(self) -> None:
+        """flags, on failure: set this rank's own *filled* counters to the last use its compute
+        stream awaits, so no stream of the worker stays blocked for a sender that died before its
+        copy ran (the step fails; the buffers' contents are undefined). Only this process's own
+        memory is written: a peer's may be gone. A copy left waiting on a dead receiver's counter
+        blocks only this transport's private stream."""
+        with self._lock:
+            awaited = dict(self._awaited)
+            self._awaited.clear()
+        try:
+            for index, use in awaited.items():
+                self._marks.mark(FILLED_MARK, self._release_stream, index, use)
+        except (DataPlaneError, RuntimeError):
+            pass  # best effort: the transport has failed already
 
     def _check(self) -> None:
         if self._broken:
             raise DataPlaneError(f"cuda_ipc on rank {self.rank}: {self._broken}")
 
-    def _notify(self, peer: int, kind: int, tag: int, index: int) -> None:
+    def _notify(self, peer: int, kind: int, tag: int, index: int, use: int = 0) -> None:
         p = self._peers.get(peer)
         if p is None:
             raise DataPlaneError(f"cuda_ipc on rank {self.rank}: rank {peer} is not a cuda_ipc peer")
         try:
             with p.send_lock:
-                p.sock.sendall(_NOTICE.pack(kind, tag, index))
+                p.sock.sendall(_NOTICE.pack(kind, tag, index, use))
         except OSError as e:
             self._fail(f"rank {peer} unreachable ({e})")
             raise DataPlaneError(f"cuda_ipc on rank {self.rank}: rank {peer} unreachable ({e})") from None
 
-    def _copy(self, peer: int, tag: int, index: int, pending: _Pending) -> None:
+    def _copy(self, peer: int, tag: int, index: int, use: int, pending: _Pending) -> None:
         """Push ``pending``'s tensor into the peer's buffer ``index`` (runs on the comm stream)."""
         p = self._peers.get(peer)
         if p is None:  # closed meanwhile
@@ -285,37 +322,38 @@ class CudaIpcTransport:
         # Every torch call here costs host time per message, which bounds small transfers: the
         # reader threads keep the comm stream current instead of entering it per copy.
         if getattr(self._on_comm, "set", False):
-            self._enqueue_copy(p, index, pending, dst)
+            self._enqueue_copy(p, index, use, pending, dst)
         else:
             with torch.cuda.stream(self._comm):
-                self._enqueue_copy(p, index, pending, dst)
+                self._enqueue_copy(p, index, use, pending, dst)
         try:
             self._notify(peer, _FILLED, tag, index)
         except DataPlaneError as e:
             pending.error = str(e)
         pending.done.set()
 
-    def _enqueue_copy(self, p: _Peer, index: int, pending: _Pending, dst: torch.Tensor) -> None:
-        """On the current (comm) stream: after the producer and the receiver's *free*, copy, then *filled*."""
-        pending.produced.wait()
-        p.free[index].wait()
+    def _enqueue_copy(self, p: _Peer, index: int, use: int, pending: _Pending, dst: torch.Tensor) -> None:
+        """On the comm stream: after the producer and the receiver's *free*, copy, then *filled*."""
+        pending.produced.wait(self._comm)
+        p.marks.await_mark(FREE_MARK, self._comm, index, use)
         dst.copy_(pending.tensor)
-        p.filled[index].record()
+        p.marks.mark(FILLED_MARK, self._comm, index, use)
 
     def _read(self, peer: _Peer) -> None:
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self._comm)
+        self._comm.query()  # binds the device's context to this thread for the driver calls (flags)
         self._on_comm.set = True
         try:
             while True:
-                kind, tag, index = _NOTICE.unpack(_recv_exact(peer.sock, _NOTICE.size))
+                kind, tag, index, use = _NOTICE.unpack(_recv_exact(peer.sock, _NOTICE.size))
                 if kind == _READY:
                     with self._lock:
                         pending = self._sends.pop((peer.rank, tag), None)
                         if pending is None:
-                            self._ready[(peer.rank, tag)] = index
+                            self._ready[(peer.rank, tag)] = (index, use)
                     if pending is not None:
-                        self._copy(peer.rank, tag, index, pending)
+                        self._copy(peer.rank, tag, index, use, pending)
                 elif kind == _FILLED:
                     with self._lock:
                         pending = self._recvs.pop((peer.rank, tag), None)
@@ -330,6 +368,7 @@ class CudaIpcTransport:
             if not self._broken:
                 self._broken = reason
             self._fail_all_locked(reason)
+        self._release()
 
     def _fail_all_locked(self, reason: str) -> None:
         for pending in [*self._sends.values(), *self._recvs.values()]:
