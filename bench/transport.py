@@ -83,6 +83,8 @@ def _transfers(transport, rank: int, buffers: list[torch.Tensor], first_tag: int
 
 
 def _peer(kind: str, ordering, rank: int, port: int, prefix: str, nbytes: int, iters: int, depth: int, out) -> None:
+    from atoll.worker.transports.cuda_marks import under_mps
+
     torch.cuda.set_device(0)
     store = dist.PrefixStore(
         prefix, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -91,8 +93,6 @@ def _peer(kind: str, ordering, rank: int, port: int, prefix: str, nbytes: int, i
     buffers = [region[i * nbytes : (i + 1) * nbytes] for i in range(depth)]
     transport = _make_transport(kind, store, rank, region, buffers if rank == 1 else [], ordering)
     src = _payload(nbytes, 0)
-    from atoll.worker.transports.cuda_marks import under_mps
-
     tag, result = 0, {"ordering": getattr(transport, "ordering", None), "under_mps": under_mps()}
     for count, timed in [(10, False), (iters, True)]:  # warm-up, then timed
         store.set(f"go/{rank}/{timed}", "1")
