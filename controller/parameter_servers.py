@@ -8,6 +8,10 @@ with the tasks' addresses, which the client feeds straight. A dead server is lef
 chain (its shards' next replicas already hold every acknowledged update) and each shard it held is
 copied from its chain's tail to another server, which joins the chain after it; a dead task is
 dropped, and the servers stop waiting for it.
+
+With a state directory (controller/statedir.py) each job's row is kept as it stands: a restarted
+controller takes the jobs back (``recover``) while their servers and tasks go on serving their
+clients, so it can list, close, lease and repair them as before.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.controller.cluster.registry import WorkerRecord
+from atoll.controller.cluster.registry import Registry, WorkerRecord
+from atoll.controller.statedir import MemoryState, PsJobRow
 from atoll.core import ps_layout
 from atoll.core.ps_rules import Consistency, UpdateRule
 from atoll.core.wire import spec_of_pb_tensor, tensor_spec_to_pb
@@ -34,8 +39,8 @@ log = logging.getLogger("atoll.controller")
 ID_PREFIX = "ps"
 ID_PATTERN = re.compile(r"ps[0-9]+-[0-9a-f]{6}")
 """A job's id: a number and this controller's random tag, so that a restarted controller (which
-does not know the jobs of its predecessor: their workers still serve their clients) gives no id
-twice to the workers' roles."""
+may not know the jobs of its predecessor: without a state directory their workers still serve
+their clients, unknown to it) gives no id twice to the workers' roles."""
 
 
 @dataclass(eq=False)
@@ -54,10 +59,32 @@ class PsJob:
     def workers(self) -> list[WorkerRecord]:
         return [*self.servers, *self.tasks]
 
+    def row(self) -> PsJobRow:
+        return PsJobRow(
+            job_id=self.job_id,
+            session=self.session,
+            config=self.config.SerializeToString(),
+            servers=tuple(w.worker_id for w in self.servers),
+            tasks=tuple(w.worker_id for w in self.tasks),
+            chains=tuple(tuple(c) for c in self.chains),
+            dropped=tuple(sorted(self.dropped)),
+        )
+
 
 class ParameterServers:
-    def __init__(self, *, place, jobs_lock: threading.Lock, leases, token: str, controller_key: str, timeout_s: float):
+    def __init__(
+        self,
+        *,
+        place,
+        jobs_lock: threading.Lock,
+        leases,
+        token: str,
+        controller_key: str,
+        timeout_s: float,
+        records: MemoryState | None = None,
+    ):
         self._place = place
+        self._records = records or MemoryState()
         self._leases = leases
         """(ranks, device, islands, exclusive) -> workers: Lifecycle.place, under ``jobs_lock``."""
         self._jobs_lock = jobs_lock
@@ -124,6 +151,7 @@ class ParameterServers:
         except AtollError:
             self.close(job_id)
             raise
+        self._records.ps_job(job.row())
         log.info("parameter-server job %s: %d servers, %d tasks, %d keys", job_id, servers, tasks, len(keys))
         return pb.PsJobReply(
             job_id=job_id,
@@ -161,10 +189,34 @@ class ParameterServers:
             for job in list(self._jobs.values())
         ]
 
+    def recover(self, rows: tuple[PsJobRow, ...], registry: Registry) -> None:
+        """A restart on a state directory: take back the recorded jobs (at start, before serving).
+        Their workers are the registry's recorded ones, coming back; one that does not is declared
+        dead in time, and the job is repaired as if it had died now."""
+        for row in rows:
+            servers, tasks = [_recorded(registry, w) for w in row.servers], [_recorded(registry, w) for w in row.tasks]
+            job = PsJob(
+                row.job_id,
+                pb.PsConfig.FromString(row.config),
+                servers,
+                tasks,
+                [list(c) for c in row.chains],
+                row.session,
+                set(row.dropped),
+            )
+            with self._jobs_lock:
+                for w in job.workers:
+                    w.jobs.add(job.job_id)
+            self._jobs[job.job_id] = job
+            if job.session:  # its client has a lease's time to reconnect
+                self._leases.renew(job.session)
+            log.warning("parameter-server job %s taken back: servers %s, tasks %s", row.job_id, row.servers, row.tasks)
+
     def close(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return  # closing twice is fine
+        self._records.ps_job_closed(job_id)
         for w in job.workers:
             if w.alive:
                 try:
@@ -204,6 +256,7 @@ class ParameterServers:
                 job.dropped.add(task)
                 log.warning("parameter-server job %s: task %d died; the others go on without it", job.job_id, task)
                 self._reconfigure(job)
+                self._records.ps_job(job.row())
                 return
             dead = job.servers.index(record)
             lost = [s for s, chain in enumerate(job.chains) if dead in chain]
@@ -229,6 +282,8 @@ class ParameterServers:
                 except AtollError as e:
                     log.warning("parameter-server job %s: copying shard %d failed: %s", job.job_id, shard, e)
             self._reconfigure(job)
+            if job.job_id in self._jobs:  # not closed meanwhile
+                self._records.ps_job(job.row())
             log.warning("parameter-server job %s: shard chains now %s", job.job_id, job.chains)
 
     def _reconfigure(self, job: PsJob) -> None:
@@ -241,6 +296,17 @@ class ParameterServers:
                     self._endpoint(w).call("Reconfigure", request, timeout_s=10.0)
                 except AtollError as e:
                     log.warning("parameter-server job %s: reconfiguring %s: %s", job.job_id, w.worker_id, e)
+
+
+def _recorded(registry: Registry, worker_id: str) -> WorkerRecord:
+    """The registry's record of a recorded job's worker; one that was dead before the restart has
+    none (the state directory brings back only live workers): a dead record keeps its place."""
+    record = registry.get(worker_id)
+    if record is not None:
+        return record
+    return WorkerRecord(
+        worker_id=worker_id, address="", device="cpu", host="", pid=0, gpu_uuid="", endpoint=None, alive=False
+    )
 
 
 def _rows(value: pb.TensorData, key: ps_layout.Key) -> pb.TensorData:

@@ -95,9 +95,11 @@ class ControllerService(pb_grpc.ControllerServicer):
             token=token,
             controller_key=self.controller_key,
             timeout_s=load_timeout_s,
+            records=self.records,
         )
         self.leases.held_elsewhere = self.parameter_servers.holds_session
         self.recovery.start()  # a restart on a state directory: its workers and jobs, before serving
+        self.parameter_servers.recover(self.records.read().ps_jobs, self.registry)
 
     def _worker_died(self, record) -> None:
         self.lifecycle.worker_died(record)

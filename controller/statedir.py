@@ -13,6 +13,11 @@ step except an auto_resume job's journal entry (the journal is what a restore re
   training steps it had when loaded, its plan report and, when it failed, why.
 - ``journal``: an auto_resume job's training steps since its last checkpoint: number, request, loss.
 - ``closed``: the ids of closed jobs (a client asking about one is told it was closed).
+- ``ps_jobs``: one row per parameter-server job not yet closed: its config (with the key layout),
+  its servers' and tasks' worker ids, its shard chains, its dropped tasks and its session. Its
+  servers and tasks keep serving the clients while the controller is down (the data path never
+  passes through it); the row lets a restarted controller close it, list it, keep its lease and
+  repair it when a worker dies (controller/parameter_servers.py).
 
 The admission queue is not kept: a queued submission is a client's open call, which a restart
 ends; the client submits again. A controller started without a state directory keeps the same
@@ -43,6 +48,9 @@ CREATE TABLE IF NOT EXISTS journal (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, request BLOB NOT NULL, loss REAL NOT NULL,
     PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS closed (job_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS ps_jobs (
+    job_id TEXT PRIMARY KEY, session TEXT NOT NULL, config BLOB NOT NULL, servers TEXT NOT NULL,
+    tasks TEXT NOT NULL, chains TEXT NOT NULL, dropped TEXT NOT NULL);
 """
 
 
@@ -76,6 +84,19 @@ class JobRow:
 
 
 @dataclass(frozen=True, slots=True)
+class PsJobRow:
+    job_id: str
+    session: str
+    config: bytes
+    """The job's PsConfig, serialized."""
+    servers: tuple[str, ...]
+    """Worker ids, by server index; then the tasks' by task index."""
+    tasks: tuple[str, ...]
+    chains: tuple[tuple[int, ...], ...]
+    dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Recorded:
     """All a state directory holds, as read at start."""
 
@@ -83,6 +104,7 @@ class Recorded:
     jobs: tuple[JobRow, ...] = ()
     closed: frozenset[str] = frozenset()
     next_job: int = 0
+    ps_jobs: tuple[PsJobRow, ...] = ()
 
 
 class MemoryState:
@@ -118,6 +140,12 @@ class MemoryState:
         pass
 
     def journal_clear(self, job_id: str) -> None:
+        pass
+
+    def ps_job(self, row: PsJobRow) -> None:
+        pass
+
+    def ps_job_closed(self, job_id: str) -> None:
         pass
 
     def close(self) -> None:
@@ -179,7 +207,21 @@ class StateDir(MemoryState):
                 )
             closed = frozenset(r[0] for r in db.execute("SELECT job_id FROM closed"))
             found = db.execute("SELECT value FROM meta WHERE key = 'next_job'").fetchone()
-        return Recorded(workers, tuple(jobs), closed, int(found[0]) if found else 0)
+            ps_jobs = tuple(
+                PsJobRow(
+                    job_id=job_id,
+                    session=session,
+                    config=bytes(config),
+                    servers=tuple(json.loads(servers)),
+                    tasks=tuple(json.loads(tasks)),
+                    chains=tuple(tuple(c) for c in json.loads(chains)),
+                    dropped=tuple(json.loads(dropped)),
+                )
+                for job_id, session, config, servers, tasks, chains, dropped in db.execute(
+                    "SELECT * FROM ps_jobs ORDER BY rowid"
+                )
+            )
+        return Recorded(workers, tuple(jobs), closed, int(found[0]) if found else 0, ps_jobs)
 
     def _program_file(self, job_id: str) -> Path:
         return self.path / "programs" / f"{job_id}.pb"
@@ -251,6 +293,26 @@ class StateDir(MemoryState):
     def journal_clear(self, job_id: str) -> None:
         with self._transaction() as db:
             db.execute("DELETE FROM journal WHERE job_id = ?", (job_id,))
+
+    def ps_job(self, row: PsJobRow) -> None:
+        """A parameter-server job as it stands now (loaded, or its chains changed)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO ps_jobs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.job_id,
+                    row.session,
+                    row.config,
+                    json.dumps(list(row.servers)),
+                    json.dumps(list(row.tasks)),
+                    json.dumps([list(c) for c in row.chains]),
+                    json.dumps(list(row.dropped)),
+                ),
+            )
+
+    def ps_job_closed(self, job_id: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM ps_jobs WHERE job_id = ?", (job_id,))
 
     def close(self) -> None:
         with self._lock:

@@ -11,10 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import atoll
+from atoll._rpc import atoll_pb2 as pb
+from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.client.local import stop_processes
-from tests import models
+from atoll.errors import NotFound
+from atoll.net.rpc import Endpoint
+from tests import models, ps_cases
 from tests.procs import live_workers, wait_for_file
 from tests.reference import RTOL, assert_matches_reference, train_reference
 
@@ -235,3 +241,36 @@ def test_the_state_directory_keeps_its_records_across_opening(tmp_path):
     assert [(seq, loss) for seq, _, loss in job.journal] == [(6, 0.5), (7, 0.25)]
     assert not (tmp_path / "state" / "programs" / "job1.pb").exists()
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_parameter_server_job_is_taken_back_after_a_restart(daemons):
+    """Its server and tasks serve the client while the controller is down (the data path never
+    passes through it); the controller restarted on its state directory lists the job again,
+    trains on, and closing it unloads it from its workers."""
+    model = ps_cases.mlp()
+    rounds = ps_cases.dense_batches(6, 2, dtype=torch.float32)
+    controller = daemons.controller()
+    for _ in range(3):
+        daemons.worker()
+    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
+        workers = live_workers(client, 3)
+        x, y = rounds[0][0]
+        job = client.parameter_server(
+            model, example_input=x, example_target=y, loss_fn=F.cross_entropy, servers=1, workers=2, lr=0.05
+        )
+        feed = [[r[t] for r in rounds] for t in range(2)]
+        job.run([f[:2] for f in feed])
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(10)
+        job.run([f[2:4] for f in feed])  # no controller: the tasks and the server go on
+        daemons.controller()
+        assert live_workers(client, 3) == workers
+        (listed,) = [j for j in client.status().jobs if j.job_id == job.job_id]
+        assert listed.schedule == "parameter-server sequential" and sorted(listed.workers) == sorted(workers)
+        job.run([f[4:] for f in feed])
+        assert not job.errors and [r.iteration for r in job.records if r.task == 0] == list(range(6))
+        job.close()
+        assert job.job_id not in {j.job_id for j in client.status().jobs}
+        server = Endpoint(job.layout.servers[0], daemons.token.read_text().strip(), pb_grpc.ParameterServerStub, 10.0)
+        with pytest.raises(NotFound, match=job.job_id):
+            server.call("Pull", pb.PsPullRequest(job_id=job.job_id, shard=0, keys=[job.keys[0].key]))

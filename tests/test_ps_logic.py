@@ -1,12 +1,15 @@
 """Parameter-server logic without processes: key layout, the servers' update rules, and a shard's
-consistency, ordering and copy (runtime/core/ps_layout.py, runtime/worker/ps/)."""
+consistency, ordering and copy (runtime/core/ps_layout.py, runtime/worker/ps/), and a job's row in the
+controller's state directory (controller/statedir.py)."""
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
 
+from atoll.controller.statedir import PsJobRow, StateDir
 from atoll.core import ps_layout
 from atoll.core.ps_rules import Consistency, UpdateRule
 from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
@@ -182,3 +185,24 @@ def test_the_graph_a_task_gets_carries_no_weights_and_names_the_tables_read_only
 
     _, _, sparse = export_training(TiedLM(), torch.randint(0, 50, (4, 3)), torch.randint(0, 50, (4,)), F.cross_entropy)
     assert sparse == []
+
+
+def test_a_state_directory_keeps_a_parameter_server_job_until_it_is_closed(tmp_path):
+    row = PsJobRow(
+        job_id="ps1-abc123",
+        session="s",
+        config=b"\x08\x01",
+        servers=("w1", "w2"),
+        tasks=("w3",),
+        chains=((0, 1), (1,)),
+        dropped=(0,),
+    )
+    records = StateDir(tmp_path)
+    records.ps_job(row)
+    records.ps_job(dataclasses.replace(row, chains=((1,), (1,))))  # a repair rewrites it
+    records.close()
+    records = StateDir(tmp_path)  # as a restarted controller reads it
+    assert records.read().ps_jobs == (dataclasses.replace(row, chains=((1,), (1,))),)
+    records.ps_job_closed(row.job_id)
+    assert records.read().ps_jobs == ()
+    records.close()
