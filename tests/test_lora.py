@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import torch
 
 import atoll
 from atoll.client import lora
+from atoll.client.export import export_pipeline
 from atoll.client.local import stop_processes
 from tests import lora_cases, models
 from tests.reference import assert_losses_match, relative_error
@@ -64,6 +66,23 @@ def test_a_saved_adapter_loads_in_peft_and_merges_as_peft_does(tmp_path):
         merged = copy.deepcopy(model)
         merged.load_state_dict(lora.merge(model.state_dict(), state, config))
         assert torch.allclose(merged(x), wrapped.merge_and_unload()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_an_attached_job_sends_the_base_as_shapes_only():
+    """The workers compute with the resident base's tensors, so a job attached to it sends its
+    frozen parameters' shapes, not a copy of the base: of the parameters, the archive holds the
+    adapters' bytes only."""
+    model, batches = lora_cases.base_model(transformers)
+    adapted = lora.with_adapters(model, atoll.LoraConfig(rank=2, alpha=2, targets=("q_proj", "v_proj")))
+    x, y = batches[0]
+    whole, shapes = (export_pipeline(adapted, x, y, models.lm_loss, 1, keep) for keep in (True, False))
+    frozen = sum(p.nbytes for p in adapted.parameters() if not p.requires_grad)
+    assert len(whole.model) - len(shapes.model) >= 0.95 * frozen  # the rest is the graph itself
+    ep = torch.export.load(io.BytesIO(shapes.model))
+    for name, p in adapted.named_parameters():
+        kept = ep.state_dict[name]
+        assert (kept.shape, kept.dtype, kept.requires_grad) == (p.shape, p.dtype, p.requires_grad)
+        assert torch.equal(kept, p) if p.requires_grad else kept.untyped_storage().nbytes() <= 8
 
 
 def test_adapters_refuse_what_they_cannot_wrap():

@@ -271,7 +271,9 @@ class Client(Connection):
         replicas = config.data_parallel
         # exported at the shape of one microbatch of one replica
         try:
-            exported = export_pipeline(model, example_input, example_target, program.loss_fn, microbatches * replicas)
+            exported = export_pipeline(
+                model, example_input, example_target, program.loss_fn, microbatches * replicas, not config.base
+            )
         except InvalidInput:
             if len(program.stage_names) > 1:
                 program.check_stages(microbatches * replicas)  # names the stage that fails, and what it reads

@@ -87,14 +87,18 @@ def split_names(model: nn.Module, split_points) -> list[str]:
     return names
 
 
-def export_pipeline(model: nn.Module, example_input, example_target, loss_fn, microbatches: int) -> ExportedPipeline:
+def export_pipeline(
+    model: nn.Module, example_input, example_target, loss_fn, microbatches: int, frozen_values: bool = True
+) -> ExportedPipeline:
+    """``frozen_values=False`` for a job attached to a resident base: its frozen parameters are the
+    base's tensors on the workers, so only their shapes travel (not a copy of the base per job)."""
     if not isinstance(microbatches, int) or microbatches < 1:
         raise InvalidInput(f"microbatches must be a positive integer, got {microbatches!r}")
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be an nn.Module, got {type(model).__name__}")
     x = _microbatch(example_input, microbatches, "example_input")
     target = _microbatch(example_target, microbatches, "example_target")
-    program = export(model, (x,), f"torch.export failed for the model ({type(model).__name__})")
+    program = export(model, (x,), f"torch.export failed for the model ({type(model).__name__})", frozen_values)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the model's state and RNG stay as they were
         state = {k: v.clone() for k, v in model.state_dict().items()}
         output = model(x)

@@ -25,7 +25,7 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.client.export import as_leaves
 from atoll.core import ps_layout
-from atoll.core.graphs import serialize
+from atoll.core.graphs import leave_out_values, serialize
 from atoll.core.ps_rules import Consistency, UpdateRule
 from atoll.core.wire import tensor_from_pb, tensor_spec_from_pb, tensor_to_pb
 from atoll.errors import AtollError, InvalidInput, NotFound, WorkerUnavailable
@@ -88,12 +88,8 @@ def export_training(model: nn.Module, example_input, example_target, loss_fn):
             ep = torch.export.export(_Train(model, loss_fn), args)
     except Exception as e:
         raise InvalidInput(f"torch.export failed for the model and loss: {type(e).__name__}: {e}") from None
-    values = {}
-    for name in ep.graph_signature.parameters:
-        value = ep.state_dict[name]
-        values[name] = value.detach().clone()
-        # the shape stays, the bytes go: the servers hold the values
-        ep.state_dict[name] = nn.Parameter(torch.zeros((), dtype=value.dtype).expand(value.shape), value.requires_grad)
+    values = {name: ep.state_dict[name].detach().clone() for name in ep.graph_signature.parameters}
+    leave_out_values(ep, values)  # the servers hold the values
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = serialize(ep)

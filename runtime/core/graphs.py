@@ -69,15 +69,29 @@ def torch_logs_at_debug():
 _TO_DEBUG = _ToDebug()
 
 
-def export(module: torch.nn.Module, args: tuple, failure: str) -> bytes:
+def export(module: torch.nn.Module, args: tuple, failure: str, frozen_values: bool = True) -> bytes:
     """``module`` exported at ``args`` and serialized; a failure raises InvalidInput starting
-    ``failure`` (the client exporting a model, the compiler a stage or a sharded stage)."""
+    ``failure`` (the client exporting a model, the compiler a stage or a sharded stage).
+    ``frozen_values=False``: the frozen parameters travel as shapes only (``leave_out_values``)."""
     try:
         with warnings.catch_warnings(), torch_logs_at_debug():
             warnings.simplefilter("ignore")
-            return serialize(torch.export.export(module, args))
+            ep = torch.export.export(module, args)
+            if not frozen_values:
+                leave_out_values(ep, [n for n in ep.graph_signature.parameters if not ep.state_dict[n].requires_grad])
+            return serialize(ep)
     except Exception as e:
         raise InvalidInput(f"{failure}: {type(e).__name__}: {e}") from None
+
+
+def leave_out_values(ep: torch.export.ExportedProgram, names) -> None:
+    """Keep each named parameter's shape, dtype and requires_grad in ``ep``, not its bytes (a zero
+    broadcast to the shape, a few bytes in the archive): for parameters whose values the workers
+    hold already (a resident base's) or get elsewhere (a parameter server's)."""
+    for name in names:
+        value = ep.state_dict[name]
+        placeholder = torch.zeros((), dtype=value.dtype).expand(value.shape)
+        ep.state_dict[name] = torch.nn.Parameter(placeholder, value.requires_grad)
 
 
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
