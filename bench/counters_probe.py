@@ -17,20 +17,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from transport import raw_copy_gbps, run_pair  # noqa: E402
 
 TIMEOUT_S = 60.0
 
 
-def _peer(rank: int, port: int, nbytes: int, depth: int, iters: int, out) -> None:
+def _peer(nbytes: int, depth: int, iters: int, rank: int, port: int, out) -> None:
     from atoll.worker.transports.cuda_marks import (
         FILLED_MARK,
         FREE_MARK,
@@ -87,19 +88,6 @@ def _peer(rank: int, port: int, nbytes: int, depth: int, iters: int, out) -> Non
     store.wait([f"done/{1 - rank}"])
 
 
-def _raw_gbps(nbytes: int, iters: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return nbytes * iters / (time.perf_counter() - started) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 64])
@@ -108,23 +96,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/counters_probe.py needs a CUDA device")
-    ctx = mp.get_context("spawn")
     for mb in args.sizes_mb:
         nbytes = int(mb * 2**20)
-        raw = _raw_gbps(nbytes, args.iters)
+        raw = raw_copy_gbps(nbytes, args.iters)
         for depth in args.depths:
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-            out = ctx.Queue()
-            procs = [ctx.Process(target=_peer, args=(r, store.port, nbytes, depth, args.iters, out)) for r in (0, 1)]
-            for p in procs:
-                p.start()
-            try:
-                row = out.get(timeout=300)
-            finally:
-                for p in procs:
-                    p.join(60)
-                    if p.is_alive():
-                        p.kill()
+            row = run_pair(_peer, nbytes, depth, args.iters)
             row.update(megabytes=mb, buffers=depth, raw_gbps=round(raw, 1), ratio=round(row["gbps"] / raw, 3))
             print(json.dumps(row), flush=True)
 

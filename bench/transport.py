@@ -82,13 +82,11 @@ def _transfers(transport, rank: int, buffers: list[torch.Tensor], first_tag: int
             posted.append(transport.recv(buffers[(i + depth) % depth], 0, first_tag + i + depth))
 
 
-def _peer(kind: str, ordering, rank: int, port: int, prefix: str, nbytes: int, iters: int, depth: int, out) -> None:
+def _peer(kind: str, ordering, nbytes: int, iters: int, depth: int, rank: int, port: int, out) -> None:
     from atoll.worker.transports.cuda_marks import under_mps
 
     torch.cuda.set_device(0)
-    store = dist.PrefixStore(
-        prefix, dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     region = torch.empty(depth * nbytes, dtype=torch.uint8, device="cuda")
     buffers = [region[i * nbytes : (i + 1) * nbytes] for i in range(depth)]
     transport = _make_transport(kind, store, rank, region, buffers if rank == 1 else [], ordering)
@@ -128,12 +126,16 @@ def _peer(kind: str, ordering, rank: int, port: int, prefix: str, nbytes: int, i
 
 
 def between_processes_gbps(kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None) -> dict:
+    return run_pair(_peer, kind, ordering, nbytes, iters, depth)
+
+
+def run_pair(target, *args) -> dict:
+    """``target(*args, rank, store_port, out)`` in two spawned processes (ranks 0 and 1) that meet at
+    a TCPStore of their own; returns what rank 1 puts on ``out``."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     out = ctx.Queue()
-    prefix = f"{kind}/{nbytes}/"
-    args = (kind, ordering)
-    procs = [ctx.Process(target=_peer, args=(*args, r, store.port, prefix, nbytes, iters, depth, out)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(*args, rank, store.port, out)) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -145,7 +147,7 @@ def between_processes_gbps(kind: str, nbytes: int, iters: int, depth: int, order
                 p.kill()
                 p.join(10)
     if any(p.exitcode for p in procs):
-        raise RuntimeError(f"{kind} peers exited with {[p.exitcode for p in procs]}")
+        raise RuntimeError(f"{target.__name__}{args}: peers exited with {[p.exitcode for p in procs]}")
     return result
 
 
