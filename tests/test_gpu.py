@@ -120,6 +120,24 @@ def test_bf16_pipeline_on_one_gpu_trains(gpu_client):
     assert last < 0.8 * first, f"bf16 loss did not fall: {first:.3f} -> {last:.3f}"
 
 
+def test_mixed_precision_on_cuda_workers_matches_the_same_policy_in_one_process(gpu_client):
+    """precision="bf16" (issue 29) on CUDA: autocast to bfloat16 in each stage, bfloat16 over
+    cuda_ipc between them, against one CUDA process under the same policy (tests/test_mixed_precision.py)."""
+    from tests import test_mixed_precision as bf16
+
+    model, batches, _ = models.transformer()
+    job, losses, memory = bf16._train(gpu_client, model, batches, "bf16", device="cuda")
+    expected = bf16._reference(model, batches, 2, device="cuda")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected))
+    report("bf16_policy", losses=losses, reference=expected, worst_rel_error=worst)
+    assert worst <= bf16.BF16_RTOL, (worst, losses, expected)
+    assert sum(losses[-5:]) < 0.95 * sum(losses[:5]), losses
+    for w, m in memory.items():
+        assert m["data_plane_bytes"] == job.plan.predicted_communication[w]
+        predicted = job.plan.predicted_memory[w]["total"]
+        assert abs(m["peak"]["total"] - predicted) <= 0.10 * predicted, (w, m["peak"], predicted)
+
+
 def test_gloo_forced_between_gpu_workers_stages_through_pinned_memory(gpu_client):
     """The cross-host fallback for GPU edges without NCCL, run here between workers on one GPU."""
     model, batches = gpt(layers=4, steps=3)

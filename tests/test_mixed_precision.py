@@ -33,15 +33,15 @@ class _Wire(torch.autograd.Function):
         return grad.to(torch.bfloat16).to(grad.dtype)
 
 
-def _reference(model, batches, microbatches: int) -> list[float]:
-    model = copy.deepcopy(model)
+def _reference(model, batches, microbatches: int, device: str = "cpu") -> list[float]:
+    model = copy.deepcopy(model).to(device)
     opt = OPTIMIZERS["adamw"](model.parameters(), **ARGS)
     losses = []
     for step in range(STEPS):
-        x, y = batches[step % len(batches)]
+        x, y = (t.to(device) for t in batches[step % len(batches)])
         total = 0.0
         for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 loss = models.lm_loss(model[CUT:](_Wire.apply(model[:CUT](xm))), ym)
             (loss / microbatches).backward()
             total += loss.item()
@@ -52,6 +52,7 @@ def _reference(model, batches, microbatches: int) -> list[float]:
 
 
 def _train(client, model, batches, precision: str, steps: int = STEPS, **layout):
+    """``layout``: the job's other settings (data_parallel, zero, device)."""
     x, y = batches[0]
     job = client.pipeline(
         model, example_input=x, example_target=y, loss_fn=models.lm_loss, stages=2, microbatches=2,

@@ -11,7 +11,7 @@ A worker counts a stage's first run in each mode and reuses that figure
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -93,7 +93,8 @@ class MemorySnapshot:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        # not dataclasses.asdict, which deep-copies field by field: 5.5 us against 0.3 here, every step
+        return {f: getattr(self, f) for f in self.__slots__} | {"total": self.total}
 
 
 class PeakMeter:
