@@ -3,16 +3,19 @@ consistency, ordering and copy (runtime/core/ps_layout.py, runtime/worker/ps/), 
 controller's state directory (controller/statedir.py)."""
 
 import dataclasses
+import socket
 import threading
 import time
 
 import pytest
 import torch
 
+from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.statedir import PsJobRow, StateDir
 from atoll.core import ps_layout
 from atoll.core.ps_rules import Consistency, UpdateRule
-from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
+from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, WorkerUnavailable
+from atoll.net.shard_peers import ShardPeers
 from atoll.worker.ps.optim import KeyState
 from atoll.worker.ps.shard import Push, ShardReplica
 
@@ -206,3 +209,26 @@ def test_a_state_directory_keeps_a_parameter_server_job_until_it_is_closed(tmp_p
     records.ps_job_closed(row.job_id)
     assert records.read().ps_jobs == ()
     records.close()
+
+
+def _closed_port_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+def test_a_member_that_does_not_answer_is_not_passed_over():
+    """Chain membership is the controller's: a push whose next member does not answer is not
+    acknowledged, and a task's call waits (``failover_s``) for the chain to change rather than
+    skipping the member, whose replica would then miss updates and could later serve without them."""
+    peers = ShardPeers([_closed_port_address(), _closed_port_address()], [[0, 1]], "token", 5.0, failover_s=0.3)
+    with pytest.raises(WorkerUnavailable, match="server 1, next after server 0 in its chain, does not answer"):
+        peers.pass_down(0, 0, "Push", pb.PsPushRequest(job_id="ps1-abcdef", shard=0))
+    started = time.monotonic()
+    with pytest.raises(WorkerUnavailable, match=r"its head, server 0, does not answer.*within 0.3s"):
+        peers.call(0, "Pull", pb.PsPullRequest(job_id="ps1-abcdef", shard=0))
+    assert 0.05 <= time.monotonic() - started < 5.0  # it tried again before giving up
+    assert peers.chain(0) == [0, 1]  # nobody was taken out but by the controller
+    peers.reconfigure([[1]])
+    with pytest.raises(WorkerUnavailable, match="server 1"):
+        peers.call(0, "Pull", pb.PsPullRequest(job_id="ps1-abcdef", shard=0))

@@ -104,7 +104,10 @@ class Task:
         self.dense_by_shard = {s: [k for k in keys if k.shard == s and not k.sparse] for s in range(self.shards)}
         """The dense keys each step pulls whole, by shard (none: the shard is read by lookups only)."""
         chains = [list(c.servers) for c in layout.chains]
-        self.peers = ShardPeers(list(layout.servers), chains, token, config.wait_timeout_s + 30.0)
+        # a shard's head that does not answer: wait as long as for a slow task, for the controller
+        # to take it out of the chain (a dead worker is declared so after the heartbeat timeout)
+        patience = config.wait_timeout_s
+        self.peers = ShardPeers(list(layout.servers), chains, token, patience + 30.0, failover_s=patience)
         self._lock = threading.Lock()
         self.module, self.input_specs = self._load(graph)
 
