@@ -212,6 +212,13 @@ class ParameterServers:
                 self._leases.renew(job.session)
             log.warning("parameter-server job %s taken back: servers %s, tasks %s", row.job_id, row.servers, row.tasks)
 
+    def returned(self, record: WorkerRecord, held: list[pb.HeldJob]) -> list[str]:
+        """``record``'s worker registered again (the controller restarted): the ids of the jobs
+        it keeps a role in, those taken back with it (``recover``). Any other role it holds is
+        no job this controller knows, and the worker drops it."""
+        held_ids = {h.job_id for h in held}
+        return [job.job_id for job in list(self._jobs.values()) if record in job.workers and job.job_id in held_ids]
+
     def close(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
         if job is None:

@@ -117,7 +117,9 @@ class ControllerService(pb_grpc.ControllerServicer):
     def RegisterWorker(self, request, context):
         record = self.registry.register(request)
         self.records.worker(WorkerRow(record.worker_id, record.address, record.device, record.island, record.host))
-        keep = self.recovery.returned(record, list(request.held_jobs))  # after a restart: its jobs taken back
+        held = list(request.held_jobs)
+        # after a restart: its jobs taken back, pipelines and parameter servers
+        keep = self.recovery.returned(record, held) + self.parameter_servers.returned(record, held)
         log.info("registered %s", record.describe())
         self.jobs.released()  # a queued request may fit now
         return pb.RegisterWorkerReply(

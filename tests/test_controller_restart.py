@@ -274,3 +274,36 @@ def test_a_parameter_server_job_is_taken_back_after_a_restart(daemons):
         server = Endpoint(job.layout.servers[0], daemons.token.read_text().strip(), pb_grpc.ParameterServerStub, 10.0)
         with pytest.raises(NotFound, match=job.job_id):
             server.call("Pull", pb.PsPullRequest(job_id=job.job_id, shard=0, keys=[job.keys[0].key]))
+
+
+def test_a_controller_without_the_jobs_record_has_its_workers_drop_their_roles(daemons):
+    """Restarted on an empty state directory, the controller knows no parameter-server job: its
+    workers, registering again, drop their roles (as they drop pipeline jobs), so nothing is left
+    serving that no one could close."""
+    model = ps_cases.mlp()
+    (batch,) = ps_cases.dense_batches(1, 1, dtype=torch.float32)[0]
+    controller = daemons.controller("first")
+    for _ in range(2):
+        daemons.worker()
+    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
+        live_workers(client, 2)
+        job = client.parameter_server(
+            model, example_input=batch[0], example_target=batch[1], loss_fn=F.cross_entropy, servers=1, workers=1
+        )
+        assert job.step_task(0, *batch).iteration == 0
+        controller.kill()
+        controller.wait(10)
+        daemons.controller("empty")
+        live_workers(client, 2)
+        assert job.job_id not in {j.job_id for j in client.status().jobs}
+        server = Endpoint(job.layout.servers[0], daemons.token.read_text().strip(), pb_grpc.ParameterServerStub, 10.0)
+        deadline = time.monotonic() + 10.0
+        while True:  # the worker drops its roles right after the controller answered its registration
+            try:
+                server.call("Pull", pb.PsPullRequest(job_id=job.job_id, shard=0, keys=[job.keys[0].key], no_wait=True))
+            except NotFound:
+                break
+            assert time.monotonic() < deadline, "the server still serves a job its controller does not know"
+            time.sleep(0.1)
+        with pytest.raises(NotFound, match="has no task on this worker"):
+            job.step_task(0, *batch)

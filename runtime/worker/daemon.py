@@ -79,7 +79,8 @@ class WorkerDaemon:
         self.service = WorkerService(device=device, host=advertise_host or host, token=token, bind_host=host)
         self.server, self.port = make_server(token, host, port)
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
-        pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(self.service, token), self.server)
+        self.parameter_servers = ParameterServerService(self.service, token)
+        pb_grpc.add_ParameterServerServicer_to_server(self.parameter_servers, self.server)
         self.health = Health(self.server, "atoll.v1.Worker")
         """grpc.health.v1: SERVING while registered and its heartbeats reach the controller."""
         self._token = token
@@ -112,12 +113,12 @@ class WorkerDaemon:
                 island=self.island,
                 value_address=self.service.values.address,
                 worker_id=self.worker_id,  # registering again: the same id, unless another worker has it
-                held_jobs=self.service.held_jobs(),
+                held_jobs=self._held_jobs(),
             ),
         )
         if self.worker_id:  # registering again: the controller restarted or declared us dead
             kept = set(reply.keep_jobs)  # a restarted controller with its state takes its jobs back
-            dropped = sorted({h.job_id for h in self.service.held_jobs()} - kept)
+            dropped = sorted({h.job_id for h in self._held_jobs()} - kept)
             log.warning(
                 "registered again as %s (was %s); keeping jobs [%s], dropping [%s]",
                 reply.worker_id,
@@ -126,6 +127,7 @@ class WorkerDaemon:
                 ", ".join(dropped),
             )
             self.service.keep_only(kept)
+            self.parameter_servers.keep_only(kept)
         self.worker_id = reply.worker_id
         self.service.controller_key = reply.controller_key
         if self._keyed is not None:
@@ -148,6 +150,9 @@ class WorkerDaemon:
             self._keyed.call("Heartbeat", self._beat())
         except AtollError as e:
             log.warning("first heartbeat to %s failed: %s", self.controller_address, e)
+
+    def _held_jobs(self) -> list[pb.HeldJob]:
+        return [*self.service.held_jobs(), *self.parameter_servers.held_jobs()]
 
     def _beat(self) -> pb.HeartbeatRequest:
         return pb.HeartbeatRequest(

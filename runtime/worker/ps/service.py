@@ -201,3 +201,14 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         self._servers.pop(request.job_id, None)
         self._tasks.pop(request.job_id, None)
         return pb.Empty()
+
+    def held_jobs(self) -> list[pb.HeldJob]:
+        """The jobs this worker serves a role in (sent when registering again, as pipeline jobs are)."""
+        return [pb.HeldJob(job_id=j, namespace="parameter-server") for j in sorted({*self._servers, *self._tasks})]
+
+    def keep_only(self, job_ids: set[str]) -> None:
+        """Drop every role but those of ``job_ids``: the controller does not know the others (it
+        restarted without their records), so nobody could close them."""
+        for roles in (self._servers, self._tasks):
+            for job_id in [j for j in roles if j not in job_ids]:
+                roles.pop(job_id, None)
