@@ -1,4 +1,6 @@
 """Stage-to-stage transfer bandwidth on one GPU: atoll's cuda_ipc path next to a raw copy.
+Without CUDA (or with ``--device cpu``): atoll's gloo transport between two CPU processes next to
+a copy inside one, what CPU workers move (and the smoke test CI runs).
 
 Prints one JSON object. For each size: a device-to-device copy inside one process (the ceiling),
 atoll's CudaIpcTransport between two worker-like processes (the receiver keeps ``--depth``
@@ -35,11 +37,16 @@ import torch.distributed as dist  # noqa: E402
 TIMEOUT_S = 60.0
 
 
-def raw_copy_gbps(nbytes: int, iters: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+def raw_copy_gbps(nbytes: int, iters: int, device: str = "cuda") -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     for _ in range(10):
         dst.copy_(src)
+    if device == "cpu":
+        started = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        return nbytes * iters / (time.perf_counter() - started) / 1e9
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -61,9 +68,14 @@ def _make_transport(kind: str, store, rank: int, region: torch.Tensor, buffers: 
     return GlooTransport(store=store, rank=rank, world_size=2, hostname="127.0.0.1", timeout_s=TIMEOUT_S)
 
 
-def _payload(nbytes: int, n: int) -> torch.Tensor:
+def _payload(nbytes: int, n: int, device: str) -> torch.Tensor:
     """Transfer n's bytes, the same in both processes and different from transfer n-1's."""
-    return ((torch.arange(nbytes, device="cuda") + n) % 251).to(torch.uint8)
+    return ((torch.arange(nbytes, device=device) + n) % 251).to(torch.uint8)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _transfers(transport, rank: int, buffers: list[torch.Tensor], first_tag: int, sources, on_arrival=None) -> None:
@@ -82,23 +94,24 @@ def _transfers(transport, rank: int, buffers: list[torch.Tensor], first_tag: int
             posted.append(transport.recv(buffers[(i + depth) % depth], 0, first_tag + i + depth))
 
 
-def _peer(kind: str, ordering, nbytes: int, iters: int, depth: int, rank: int, port: int, out) -> None:
+def _peer(kind: str, ordering, device: str, nbytes: int, iters: int, depth: int, rank: int, port: int, out) -> None:
     from atoll.worker.transports.cuda_marks import under_mps
 
-    torch.cuda.set_device(0)
+    if device == "cuda":
+        torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    region = torch.empty(depth * nbytes, dtype=torch.uint8, device="cuda")
+    region = torch.empty(depth * nbytes, dtype=torch.uint8, device=device)
     buffers = [region[i * nbytes : (i + 1) * nbytes] for i in range(depth)]
     transport = _make_transport(kind, store, rank, region, buffers if rank == 1 else [], ordering)
-    src = _payload(nbytes, 0)
+    src = _payload(nbytes, 0, device)
     tag, result = 0, {"ordering": getattr(transport, "ordering", None), "under_mps": under_mps()}
     for count, timed in [(10, False), (iters, True)]:  # warm-up, then timed
         store.set(f"go/{rank}/{timed}", "1")
         store.wait([f"go/{1 - rank}/{timed}"])
-        torch.cuda.synchronize()
+        _sync(device)
         started = time.perf_counter()
         _transfers(transport, rank, buffers, tag, [src] * count)
-        torch.cuda.synchronize()
+        _sync(device)
         elapsed = time.perf_counter() - started
         tag += count
         if timed:
@@ -107,15 +120,15 @@ def _peer(kind: str, ordering, nbytes: int, iters: int, depth: int, rank: int, p
     # before the receiver's stream reads it and not be overwritten before that read
     checks = 4 * depth
     wrong = []
-    sources = [_payload(nbytes, n) for n in range(1, checks + 1)]
-    torch.cuda.synchronize()
+    sources = [_payload(nbytes, n, device) for n in range(1, checks + 1)]
+    _sync(device)
 
     def check(i: int, buffer: torch.Tensor) -> None:
         if not torch.equal(buffer, sources[i]):
             wrong.append(i)
 
     _transfers(transport, rank, buffers, tag, sources, check)
-    torch.cuda.synchronize()
+    _sync(device)
     if rank == 1:
         out.put({**result, "checked": not wrong, "wrong_transfers": wrong})
     store.set(f"checked/{rank}", "1")  # the sender stays connected until every arrival was compared
@@ -125,8 +138,10 @@ def _peer(kind: str, ordering, nbytes: int, iters: int, depth: int, rank: int, p
     store.wait([f"done/{1 - rank}"])
 
 
-def between_processes_gbps(kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None) -> dict:
-    return run_pair(_peer, kind, ordering, nbytes, iters, depth)
+def between_processes_gbps(
+    kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None, device: str = "cuda"
+) -> dict:
+    return run_pair(_peer, kind, ordering, device, nbytes, iters, depth)
 
 
 def run_pair(target, *args) -> dict:
@@ -163,9 +178,12 @@ def main() -> None:
     parser.add_argument(
         "--orderings", nargs="+", default=["flags", "events"], help="cuda_ipc orderings to measure, one row each"
     )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if args.device == "cpu":
+        return _cpu_rows(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/transport.py needs a CUDA device")
+        raise SystemExit("bench/transport.py --device cuda needs a CUDA device")
     rows = []
     sizes = [(mb, int(mb * 2**20)) for mb in args.sizes_mb]
     raw = {mb: raw_copy_gbps(nbytes, args.iters) for mb, nbytes in sizes}
@@ -199,6 +217,27 @@ def main() -> None:
             indent=2,
         )
     )
+
+
+def _cpu_rows(args) -> None:
+    """CPU workers' data plane: gloo between two processes next to a copy inside one."""
+    rows = []
+    for mb in args.sizes_mb:
+        nbytes = int(mb * 2**20)
+        raw = raw_copy_gbps(nbytes, args.iters, "cpu")
+        gloo = between_processes_gbps("gloo", nbytes, args.gloo_iters, 2, device="cpu")
+        row = {
+            "megabytes": mb,
+            "raw_copy_GBps": round(raw, 2),
+            "atoll_gloo_GBps": round(gloo["gbps"], 3),
+            "ratio_gloo_to_raw": round(gloo["gbps"] / raw, 4),
+            "payloads_arrive_whole_and_in_order": gloo["checked"],
+            "wrong_transfers": gloo["wrong_transfers"],
+        }
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    report = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "gloo_iters": args.gloo_iters}
+    print(json.dumps({**report, "results": rows}, indent=2))
 
 
 def _row(mb: float, nbytes: int, depth: int, raw: float, gloo: dict, mps: bool, iters: int, ordering: str) -> dict:

@@ -1,6 +1,6 @@
 """The benchmarks run at their smallest size, so a change that breaks one fails here (the figures
-themselves are not asserted: performance lives in the benchmarks' JSON). bench/transport.py needs
-CUDA (tests/test_gpu.py)."""
+themselves are not asserted: performance lives in the benchmarks' JSON). bench/transport.py's CUDA
+rows and bench/counters_probe.py need a GPU (tests/test_gpu.py); its CPU rows run here."""
 
 import json
 import subprocess
@@ -172,3 +172,11 @@ def test_parameter_server_benchmark_runs_at_its_smallest_size():
     assert run["atoll"]["sequential"]["max_staleness"] == 0
     assert run["atoll"]["bounded"]["max_staleness"] <= report["settings"]["max_delay"]
     assert run["ddp"]["task_steps_per_s"] > 0 and run["bounded_vs_sequential"] > 0
+
+
+def test_transport_benchmark_runs_its_cpu_rows_at_their_smallest_size():
+    """gloo between two CPU processes, each transfer's bytes compared on arrival."""
+    report = _run_bench("transport.py", "--device", "cpu", "--sizes-mb", "0.25", "--iters", "5", "--gloo-iters", "3")
+    (row,) = report["results"]
+    assert report["device"] == "cpu" and row["atoll_gloo_GBps"] > 0 and row["raw_copy_GBps"] > 0
+    assert row["payloads_arrive_whole_and_in_order"], row["wrong_transfers"]

@@ -243,15 +243,18 @@ def test_the_state_directory_keeps_its_records_across_opening(tmp_path):
     assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
 
 
-def test_a_parameter_server_job_is_taken_back_after_a_restart(daemons):
+def test_a_parameter_server_job_is_taken_back_after_a_restart_and_dropped_without_its_record(daemons):
     """Its server and tasks serve the client while the controller is down (the data path never
     passes through it); the controller restarted on its state directory lists the job again,
-    trains on, and closing it unloads it from its workers."""
+    trains on, and closing it unloads it from its workers. Then a second job, and a restart on an
+    empty state directory: that controller knows no such job, and its workers, registering again,
+    drop their roles (as they drop pipeline jobs), so nothing is left serving that no one could close."""
     model = ps_cases.mlp()
     rounds = ps_cases.dense_batches(6, 2, dtype=torch.float32)
     controller = daemons.controller()
     for _ in range(3):
         daemons.worker()
+    token = daemons.token.read_text().strip()
     with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
         workers = live_workers(client, 3)
         x, y = rounds[0][0]
@@ -263,7 +266,7 @@ def test_a_parameter_server_job_is_taken_back_after_a_restart(daemons):
         controller.send_signal(signal.SIGKILL)
         controller.wait(10)
         job.run([f[2:4] for f in feed])  # no controller: the tasks and the server go on
-        daemons.controller()
+        controller = daemons.controller()
         assert live_workers(client, 3) == workers
         (listed,) = [j for j in client.status().jobs if j.job_id == job.job_id]
         assert listed.schedule == "parameter-server sequential" and sorted(listed.workers) == sorted(workers)
@@ -271,39 +274,28 @@ def test_a_parameter_server_job_is_taken_back_after_a_restart(daemons):
         assert not job.errors and [r.iteration for r in job.records if r.task == 0] == list(range(6))
         job.close()
         assert job.job_id not in {j.job_id for j in client.status().jobs}
-        server = Endpoint(job.layout.servers[0], daemons.token.read_text().strip(), pb_grpc.ParameterServerStub, 10.0)
+        server = Endpoint(job.layout.servers[0], token, pb_grpc.ParameterServerStub, 10.0)
         with pytest.raises(NotFound, match=job.job_id):
             server.call("Pull", pb.PsPullRequest(job_id=job.job_id, shard=0, keys=[job.keys[0].key]))
 
-
-def test_a_controller_without_the_jobs_record_has_its_workers_drop_their_roles(daemons):
-    """Restarted on an empty state directory, the controller knows no parameter-server job: its
-    workers, registering again, drop their roles (as they drop pipeline jobs), so nothing is left
-    serving that no one could close."""
-    model = ps_cases.mlp()
-    (batch,) = ps_cases.dense_batches(1, 1, dtype=torch.float32)[0]
-    controller = daemons.controller("first")
-    for _ in range(2):
-        daemons.worker()
-    with atoll.connect(daemons.address, token_file=str(daemons.token)) as client:
-        live_workers(client, 2)
-        job = client.parameter_server(
-            model, example_input=batch[0], example_target=batch[1], loss_fn=F.cross_entropy, servers=1, workers=1
+        second = client.parameter_server(
+            model, example_input=x, example_target=y, loss_fn=F.cross_entropy, servers=1, workers=1
         )
-        assert job.step_task(0, *batch).iteration == 0
+        assert second.step_task(0, x, y).iteration == 0
         controller.kill()
         controller.wait(10)
         daemons.controller("empty")
-        live_workers(client, 2)
-        assert job.job_id not in {j.job_id for j in client.status().jobs}
-        server = Endpoint(job.layout.servers[0], daemons.token.read_text().strip(), pb_grpc.ParameterServerStub, 10.0)
+        live_workers(client, 3)
+        assert second.job_id not in {j.job_id for j in client.status().jobs}
+        server = Endpoint(second.layout.servers[0], token, pb_grpc.ParameterServerStub, 10.0)
+        pull = pb.PsPullRequest(job_id=second.job_id, shard=0, keys=[second.keys[0].key], no_wait=True)
         deadline = time.monotonic() + 10.0
         while True:  # the worker drops its roles right after the controller answered its registration
             try:
-                server.call("Pull", pb.PsPullRequest(job_id=job.job_id, shard=0, keys=[job.keys[0].key], no_wait=True))
+                server.call("Pull", pull)
             except NotFound:
                 break
             assert time.monotonic() < deadline, "the server still serves a job its controller does not know"
             time.sleep(0.1)
         with pytest.raises(NotFound, match="has no task on this worker"):
-            job.step_task(0, *batch)
+            second.step_task(0, x, y)
