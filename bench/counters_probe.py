@@ -26,9 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transport import raw_copy_gbps, run_pair  # noqa: E402
-
-TIMEOUT_S = 60.0
+from transport import TIMEOUT_S, raw_copy_gbps, run_pair  # noqa: E402
 
 
 def _peer(nbytes: int, depth: int, iters: int, rank: int, port: int, out) -> None:

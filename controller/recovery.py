@@ -34,7 +34,7 @@ from atoll.controller.cluster.rendezvous import Rendezvous
 from atoll.controller.jobs import Job, JobState, JobTable
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.loading import Loader
-from atoll.controller.statedir import JobRow, MemoryState
+from atoll.controller.statedir import JobRow, MemoryState, Recorded
 
 log = logging.getLogger("atoll.controller")
 
@@ -56,9 +56,8 @@ class Recovery:
     worker may not hold that key yet, and a call carrying it would be refused."""
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
-    def start(self) -> None:
-        """Read the state directory and wait for its workers (at start, before serving)."""
-        recorded = self.records.read()
+    def start(self, recorded: Recorded) -> None:
+        """Wait for the workers of what the state directory ``recorded`` (at start, before serving)."""
         if not recorded.workers and not recorded.jobs:
             return
         started = time.monotonic()

@@ -98,8 +98,11 @@ class ControllerService(pb_grpc.ControllerServicer):
             records=self.records,
         )
         self.leases.held_elsewhere = self.parameter_servers.holds_session
-        self.recovery.start()  # a restart on a state directory: its workers and jobs, before serving
-        self.parameter_servers.recover(self.records.read().ps_jobs, self.registry)
+        # a restart on a state directory: its workers and jobs, before serving (read once: the
+        # programs it holds can be large)
+        recorded = self.records.read()
+        self.recovery.start(recorded)
+        self.parameter_servers.recover(recorded.ps_jobs, self.registry)
 
     def _worker_died(self, record) -> None:
         self.lifecycle.worker_died(record)

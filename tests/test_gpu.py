@@ -80,6 +80,16 @@ def reference_cuda(model, batches, optimizer: str, args: dict):
     return losses, {k: v.cpu() for k, v in state.items()}
 
 
+def _bench(script: str, *args: str) -> str:
+    """What ``bench/SCRIPT ARGS`` prints, run in a process of its own (its peers and
+    multiprocessing's helpers end with it)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def report(name: str, **values) -> None:
     """One line per figure the closing note quotes (run pytest with -s to see them)."""
     print(f"\nGPU-REPORT {name} {json.dumps(values)}")
@@ -152,15 +162,11 @@ def test_gloo_forced_between_gpu_workers_stages_through_pinned_memory(gpu_client
 
 @pytest.mark.parametrize("ordering", ["flags", "events"])
 def test_cuda_ipc_delivers_every_transfer_whole_and_in_order(ordering):
-    """bench/transport.py at its smallest size, as its smoke test (in a process of its own, which
-    takes its peers and multiprocessing's helpers with it): two processes, two buffers, and
+    """bench/transport.py at its smallest size, as its smoke test: two processes, two buffers, and
     transfers of different bytes, each compared on arrival with what was sent (a copy that ran
     before the receiver freed its buffer, or a read before the copy ended, shows as a wrong one)."""
-    command = [sys.executable, str(ROOT / "bench" / "transport.py"), "--sizes-mb", "1", "--iters", "20"]
-    command += ["--gloo-iters", "2", "--depths", "2", "--orderings", ordering]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(done.stdout)["results"]
+    args = ["--sizes-mb", "1", "--iters", "20", "--gloo-iters", "2", "--depths", "2", "--orderings", ordering]
+    (row,) = json.loads(_bench("transport.py", *args))["results"]
     report("transport_order", row=row)
     assert row["ordering"] == ordering
     assert row["payloads_arrive_whole_and_in_order"], f"transfers {row['wrong_transfers']} arrived wrong"
@@ -169,10 +175,8 @@ def test_cuda_ipc_delivers_every_transfer_whole_and_in_order(ordering):
 
 def test_counters_probe_runs_at_its_smallest_size():
     """bench/counters_probe.py's smoke test: the GPU orders transfers by counters alone."""
-    command = [sys.executable, str(ROOT / "bench" / "counters_probe.py"), "--sizes-mb", "1", "--depths", "2"]
-    done = subprocess.run([*command, "--iters", "50"], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    printed = _bench("counters_probe.py", "--sizes-mb", "1", "--depths", "2", "--iters", "50")
+    (row,) = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
     report("counters_probe", row=row)
     assert row["whole"] and row["gbps"] > 0
 

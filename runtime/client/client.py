@@ -271,8 +271,10 @@ class Client(Connection):
         replicas = config.data_parallel
         # exported at the shape of one microbatch of one replica
         try:
+            # a job attached to a resident base sends the base's parameters as shapes: the workers hold them
+            frozen_values = not config.base
             exported = export_pipeline(
-                model, example_input, example_target, program.loss_fn, microbatches * replicas, not config.base
+                model, example_input, example_target, program.loss_fn, microbatches * replicas, frozen_values
             )
         except InvalidInput:
             if len(program.stage_names) > 1:

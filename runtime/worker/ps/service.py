@@ -198,9 +198,12 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     @rpc_handler
     @controller_only
     def Unload(self, request, context):
-        self._servers.pop(request.job_id, None)
-        self._tasks.pop(request.job_id, None)
+        self._drop(request.job_id)
         return pb.Empty()
+
+    def _drop(self, job_id: str) -> None:
+        self._servers.pop(job_id, None)
+        self._tasks.pop(job_id, None)
 
     def held_jobs(self) -> list[pb.HeldJob]:
         """The jobs this worker serves a role in (sent when registering again, as pipeline jobs are)."""
@@ -209,6 +212,5 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def keep_only(self, job_ids: set[str]) -> None:
         """Drop every role but those of ``job_ids``: the controller does not know the others (it
         restarted without their records), so nobody could close them."""
-        for roles in (self._servers, self._tasks):
-            for job_id in [j for j in roles if j not in job_ids]:
-                roles.pop(job_id, None)
+        for job_id in {*self._servers, *self._tasks} - job_ids:
+            self._drop(job_id)
