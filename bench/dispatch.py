@@ -98,16 +98,22 @@ def _gloo_rank(rank: int, world: int, port: int, iters: int, results) -> None:
     dist.destroy_process_group()
 
 
-def raw_gloo_round_trip(stages: int, iters: int) -> float:
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+def raw_gloo_round_trip(stages: int, iters: int, timeout_s: float = 120.0) -> float:
+    # forked, not spawned: this runs first, before this process has started a thread or run an op,
+    # and five spawned children would each import torch again (about 6 s of CPU here)
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_gloo_rank, args=(r, stages + 1, port, iters, results)) for r in range(stages + 1)]
     for p in procs:
         p.start()
-    times = results.get()
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        times = results.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
     return statistics.median(times[iters // 10 :])  # the first ones connect and warm up
 
 

@@ -43,8 +43,30 @@ def _step_requests(job: Job, seq: int, request: pb.StepRequest, mode: str, input
                 target_ref_at=request.target_ref_at if r == last else [],
                 keep_outputs=request.keep_outputs and r == last,
                 mode=mode,
+                direct=request.direct and (r in readers or r == last),
             )
     return own, common
+
+
+def batch_route(job: Job) -> pb.BatchRouteReply:
+    """The workers that read the job's batch, and which part each reads (as ``_step_requests``
+    cuts it), for a client that posts batches to them itself."""
+    topo = job.compiled.topology
+    readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
+    route = pb.BatchRouteReply()
+    for d, r, tp in itertools.product(range(topo.data_parallel), sorted({*readers, last}), range(topo.tensor_parallel)):
+        worker = job.workers[topo.worker(d, r, tp)]
+        route.readers.append(
+            pb.BatchReader(
+                worker_id=worker.worker_id,
+                address=worker.address,
+                replica=d,
+                replicas=topo.data_parallel,
+                inputs=r in readers,
+                targets=r == last,
+            )
+        )
+    return route
 
 
 @dataclass(kw_only=True, eq=False)

@@ -17,7 +17,7 @@ from atoll.controller.cluster.leases import Leases
 from atoll.controller.cluster.metrics import ControllerMetrics
 from atoll.controller.cluster.registry import Registry
 from atoll.controller.cluster.rendezvous import Rendezvous
-from atoll.controller.gang import Gang
+from atoll.controller.gang import Gang, batch_route
 from atoll.controller.jobs import JobTable
 from atoll.controller.lifecycle import Lifecycle
 from atoll.controller.loading import Loader
@@ -177,6 +177,13 @@ class ControllerService(pb_grpc.ControllerServicer):
     @rpc_handler
     def Save(self, request, context):
         return self.state.save(bases.readable(self.jobs.ready(request.job_id), request.session), request.path)
+
+    @rpc_handler
+    def BatchRoute(self, request, context):
+        """Where the client may post the job's batches itself (StepRequest.direct); no readers for
+        an auto_resume job, whose batches the controller keeps to run a step again elsewhere."""
+        job = self.jobs.ready(request.job_id)
+        return pb.BatchRouteReply() if job.auto_resume else batch_route(job)
 
     @rpc_handler
     def GetPlan(self, request, context):

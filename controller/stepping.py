@@ -23,8 +23,9 @@ from atoll.errors import InvalidInput
 log = logging.getLogger("atoll.controller")
 
 
-def check_batch(spec: EdgeSpec, tensors, refs=(), refs_at=()) -> None:
-    """The step's tensors and remote values (at positions ``refs_at``) fit the edge's spec."""
+def check_batch(spec: EdgeSpec, tensors, refs=(), refs_at=(), direct=False) -> None:
+    """The step's tensors and remote values (at positions ``refs_at``) fit the edge's spec;
+    ``direct``: the tensors are specs only, their rows posted to the workers by the client."""
     remote = [tensor_spec_from_pb(r.spec, f"edge '{spec.name}'") for r in refs]
     sent = [spec_of_pb_tensor(t) for t in tensors]
     got = interleave(sent, remote, refs_at)
@@ -33,7 +34,9 @@ def check_batch(spec: EdgeSpec, tensors, refs=(), refs_at=()) -> None:
         which = "the remote values are" if refs and not tensors else "received"
         raise InvalidInput(f"edge '{spec.name}': expected {spec}, {which} {shown}")
     for t, s in zip(tensors, sent):
-        if len(t.data) != s.nbytes:
+        if direct and t.data:
+            raise InvalidInput(f"edge '{spec.name}': a step whose batch was posted to the workers carries no bytes")
+        if not direct and len(t.data) != s.nbytes:
             raise InvalidInput(f"edge '{spec.name}': {s} needs {s.nbytes} bytes, message carries {len(t.data)}")
 
 
@@ -44,12 +47,16 @@ def check_step(job: Job, request: pb.StepRequest) -> str:
     if mode not in STEP_MODES:
         raise InvalidInput(f"unknown step mode {mode!r} (known: {', '.join(STEP_MODES)})")
     input_refs, target_refs = request.input_refs, request.target_refs  # their holders: at dispatch
-    check_batch(job.compiled.request.input, request.inputs, input_refs, request.input_ref_at)
+    if request.direct and (input_refs or target_refs or job.auto_resume):
+        # auto_resume runs a step again on other workers after a failure: it needs the batch itself
+        why = "an auto_resume job" if job.auto_resume else "a step with remote values"
+        raise InvalidInput(f"{why} takes its batch through the controller, not posted to the workers")
+    check_batch(job.compiled.request.input, request.inputs, input_refs, request.input_ref_at, request.direct)
     if mode == "forward":
         if request.targets or target_refs:
             raise InvalidInput("a forward step takes no target")
     else:
-        check_batch(job.compiled.request.target, request.targets, target_refs, request.target_ref_at)
+        check_batch(job.compiled.request.target, request.targets, target_refs, request.target_ref_at, request.direct)
     if request.keep_outputs and mode != "forward":
         raise InvalidInput("only a forward step keeps its output on the workers")
     if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):

@@ -137,6 +137,11 @@ class ControllerStub:
                 request_serializer=atoll_dot___rpc_dot_ps__pb2.PsProgram.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_ps__pb2.PsJobReply.FromString,
                 _registered_method=True)
+        self.BatchRoute = channel.unary_unary(
+                '/atoll.v1.Controller/BatchRoute',
+                request_serializer=atoll_dot___rpc_dot_common__pb2.JobRef.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_controller__pb2.BatchRouteReply.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -270,6 +275,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchRoute(self, request, context):
+        """where a job's batches go straight from the client
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -372,6 +384,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.SubmitParameterServer,
                     request_deserializer=atoll_dot___rpc_dot_ps__pb2.PsProgram.FromString,
                     response_serializer=atoll_dot___rpc_dot_ps__pb2.PsJobReply.SerializeToString,
+            ),
+            'BatchRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchRoute,
+                    request_deserializer=atoll_dot___rpc_dot_common__pb2.JobRef.FromString,
+                    response_serializer=atoll_dot___rpc_dot_controller__pb2.BatchRouteReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -924,6 +941,33 @@ class Controller:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def BatchRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Controller/BatchRoute',
+            atoll_dot___rpc_dot_common__pb2.JobRef.SerializeToString,
+            atoll_dot___rpc_dot_controller__pb2.BatchRouteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class WorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -1008,6 +1052,11 @@ class WorkerStub:
                 '/atoll.v1.Worker/GetTimeline',
                 request_serializer=atoll_dot___rpc_dot_controller__pb2.TimelineRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_controller__pb2.WorkerTimeline.FromString,
+                _registered_method=True)
+        self.PostBatch = channel.unary_unary(
+                '/atoll.v1.Worker/PostBatch',
+                request_serializer=atoll_dot___rpc_dot_worker__pb2.PostBatchRequest.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_common__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -1109,6 +1158,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PostBatch(self, request, context):
+        """a step's rows from the client, not the controller
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1186,6 +1242,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTimeline,
                     request_deserializer=atoll_dot___rpc_dot_controller__pb2.TimelineRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_controller__pb2.WorkerTimeline.SerializeToString,
+            ),
+            'PostBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PostBatch,
+                    request_deserializer=atoll_dot___rpc_dot_worker__pb2.PostBatchRequest.FromString,
+                    response_serializer=atoll_dot___rpc_dot_common__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1593,6 +1654,33 @@ class Worker:
             '/atoll.v1.Worker/GetTimeline',
             atoll_dot___rpc_dot_controller__pb2.TimelineRequest.SerializeToString,
             atoll_dot___rpc_dot_controller__pb2.WorkerTimeline.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PostBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Worker/PostBatch',
+            atoll_dot___rpc_dot_worker__pb2.PostBatchRequest.SerializeToString,
+            atoll_dot___rpc_dot_common__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@ import torch
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll.client.calls import StepCall
+from atoll.client.direct import BatchPoster, specs_only
 from atoll.client.export import as_leaves
 from atoll.client.plan import Plan
 from atoll.client.remote import RemoteValue
@@ -109,6 +110,10 @@ class Job:
         waits for the oldest."""
         self._pending: list[StepFuture] = []
         self._lock = threading.Lock()
+        self.direct_batch_bytes: int | None = self.DIRECT_BATCH_BYTES
+        """A step whose tensors hold this many bytes or more posts them straight to the workers
+        that read them, not through the controller (atoll.client.direct); None: never."""
+        self._poster = BatchPoster(client, job_id)
         self.state = "ready"
         """As this client last saw it: "ready", "failed" (a step raised JobFailed) or "closed"."""
 
@@ -149,7 +154,7 @@ class Job:
             first, self._next_seq = self._next_seq, self._next_seq + len(sent)
             request = pb.StepsRequest(
                 steps=[
-                    pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=seq, mode="train")
+                    self._request(seq, "train", inputs, targets)
                     for seq, (inputs, targets) in enumerate(sent, start=first)
                 ]
             )
@@ -177,22 +182,35 @@ class Job:
         self._wait_for_window()
         with self._lock:
             request = pb.StepRequest(
-                job_id=self.id,
-                inputs=inputs,
-                targets=targets,
                 input_refs=[v.ref for v in input_values],
                 target_refs=[v.ref for v in target_values],
                 input_ref_at=input_at,
                 target_ref_at=target_at,
                 keep_outputs=keep,
-                seq=self._next_seq,
-                mode=mode,
             )
+            plain = not (input_values or target_values)  # remote values' holders are named at dispatch
+            request.MergeFrom(self._request(self._next_seq, mode, inputs, targets, plain))
             self._next_seq += 1
             call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s)
             step = StepFuture(self, call, mode, (*input_values, *target_values))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
+
+    def _request(self, seq: int, mode: str, inputs, targets, postable: bool = True) -> pb.StepRequest:
+        """Step ``seq``'s request: with its tensors, or with their specs once the tensors are
+        posted to the workers that read them (``direct_batch_bytes``); call holding the lock, so
+        posts and steps go out in step order."""
+        nbytes = sum(len(t.data) for t in (*inputs, *targets))
+        direct = postable and self.direct_batch_bytes is not None and nbytes >= self.direct_batch_bytes
+        if direct and self._poster.post(seq, inputs, targets):
+            inputs, targets = specs_only(inputs), specs_only(targets)
+        else:
+            direct = False
+        return pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=seq, mode=mode, direct=direct)
+
+    DIRECT_BATCH_BYTES = 2 << 20
+    """Default ``direct_batch_bytes``: below it a step's one message through the controller costs
+    less than a post to each reading worker besides (bench/direct_batches.py measures both)."""
 
     # Default steps in flight per job: enough to hide the control plane's latency; bounded so
     # waiting steps never tie up every request thread of the controller.
@@ -268,6 +286,7 @@ class Job:
     def close(self) -> None:
         """Free the job on every worker (idempotent)."""
         self._client._call("CloseJob", pb.JobRef(job_id=self.id))
+        self._poster.close()
         self.state = "closed"
 
     def __enter__(self) -> Job:

@@ -28,6 +28,7 @@ from atoll.net.auth import from_controller
 from atoll.net.relay import Relay
 from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
 from atoll.worker.executor.interpreter import PipelineExecutor
+from atoll.worker.inbox import BatchInbox, PostedBatch, check_reader
 from atoll.worker.interleave import Interleaver
 from atoll.worker.ledger import StepLedger
 from atoll.worker.loader import PlanLoader
@@ -73,6 +74,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._lanes: dict[str, Turnstile] = {}
         """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept
         after the job is unloaded."""
+        self.inbox = BatchInbox()
+        """Batches clients posted here for their steps (runtime/worker/inbox.py)."""
         self._interleaver = Interleaver()
         """Runs the steps of the jobs with lanes an action at a time, in one thread (runtime/worker/interleave.py)."""
         self.relay = Relay(token, self._step_in_turn)
@@ -114,9 +117,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Forget every job but ``job_ids``: the controller does not know the others (it restarted
         without their records, or declared this worker dead), so nobody could close them."""
         with self._lock:
-            dropped = [self._jobs.pop(j) for j in list(self._jobs) if j not in job_ids]
+            dropped = {j: self._jobs.pop(j) for j in list(self._jobs) if j not in job_ids}
             self._ledgers = {j: ledger for j, ledger in self._ledgers.items() if j in job_ids}
-        for executor in dropped:
+        for job_id, executor in dropped.items():
+            self.inbox.drop(job_id)
             executor.close()
 
     @rpc_handler
@@ -231,8 +235,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             pulled_inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
             pulled_targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
             pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
-            sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
-            sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
+            if request.direct:  # the client posted the rows here; the request names their specs
+                posted = self.inbox.take(request.job_id, request.step, executor.timeout_s).checked(request)
+                sent_inputs, sent_targets = posted.inputs, posted.targets
+            else:
+                sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
+                sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
             inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
             targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
             losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
@@ -240,6 +248,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
         memory["data_plane_bytes"]["received"] += pulled
         memory["control_plane_tensor_bytes"] = control_bytes
+        memory["posted_batch_bytes"] = posted.nbytes if request.direct else 0
         kept = []
         if request.keep_outputs:  # the output stays here; the reply carries references
             for t in outputs:
@@ -269,6 +278,16 @@ class WorkerService(pb_grpc.WorkerServicer):
     @rpc_handler
     def GetValue(self, request: pb.RemoteRef, context):
         return tensor_to_pb(self.values.get(request.value_id))
+
+    @rpc_handler
+    def PostBatch(self, request: pb.PostBatchRequest, context):
+        """A step's rows of the batch, straight from the client (any holder of the cluster token,
+        who may step the job through the controller too); the step itself comes from the controller."""
+        check_reader(self._job(request.job_id), request)
+        inputs = [tensor_from_pb(t, "posted input") for t in request.inputs]
+        targets = [tensor_from_pb(t, "posted target") for t in request.targets]
+        self.inbox.post(request.job_id, request.step, PostedBatch(inputs, targets))
+        return pb.Empty()
 
     @rpc_handler
     @controller_only
@@ -327,6 +346,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             # the lane stays: a call of the job still on its way takes its turn there, not in the
             # common order (whose position it does not hold), and then finds the job gone
             order = self._lanes.get(request.job_id, self.turnstile)
+        self.inbox.drop(request.job_id)
         if executor is None:
             raise NotFound(f"job {request.job_id!r} is not loaded on this worker")
         if order.release(stuck):
