@@ -2,6 +2,7 @@
 parallelism in one process, bounded delay holds its bound, eventual never waits, sparse rows move
 only what a batch touches, bad input changes nothing, and deaths of servers and tasks."""
 
+import math
 import time
 
 import pytest
@@ -210,5 +211,9 @@ def test_a_dead_task_leaves_the_others_training():
             job.step_task(1, *batches[3][1])
         survivors = [job.step_task(0, *b[0]) for b in batches[3:]]  # waits for task 1 until it is dropped
         assert [r.iteration for r in survivors] == list(range(3, 30))
-        assert survivors[-1].loss < survivors[0].loss
+        # the survivor's updates go on being applied: each of its steps reads a newer version (its
+        # labels are random, so its loss stays level: "the last loss below the first" was a coin toss)
+        versions = [r.versions[0] for r in survivors]
+        assert all(b > a for a, b in zip(versions, versions[1:])), versions
+        assert all(math.isfinite(r.loss) for r in survivors)
         job.close()

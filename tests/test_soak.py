@@ -2,7 +2,10 @@
 the losses of its own single-process run (1e-5), and the daemons' memory after the run is within
 10% of what it was once every client had taken its first 10 steps."""
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,54 +21,36 @@ pytestmark = pytest.mark.cluster  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS, STEPS, WARM = 8, 100, 10
-CLIENT = """
-import json, sys
-import atoll
-from tests import models
-seed, steps, warm = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-model, batches, loss_fn = models.mlp(seed)
-x, y = batches[0]
-with atoll.connect(sys.argv[1], sys.argv[2]) as client:
-    job = client.pipeline(model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=2)
-    losses = []
-    for i in range(steps):
-        if i == warm:
-            print("warm", flush=True)
-            sys.stdin.readline()  # the parent measures memory, then lets every client go on
-        losses.append(job.step(*batches[i % len(batches)]))
-    job.close()
-print(json.dumps(losses), flush=True)
-"""
 
 
 def test_eight_clients_share_four_workers_for_a_hundred_steps_each(tmp_path):
     with atoll.LocalCluster(workers=4, state_dir=tmp_path / "state") as cluster:
-        children = [
-            subprocess.Popen(
-                [sys.executable, "-c", CLIENT, cluster.address, cluster.token, str(seed), str(STEPS), str(WARM)],
-                cwd=ROOT,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-            for seed in range(CLIENTS)
-        ]
+        # the clients: processes of their own, forked by one that imported torch and atoll once
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "tests.soak_clients", cluster.address, cluster.token, str(CLIENTS), str(STEPS),
+             str(WARM)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        clients: list[int] = []
         try:
-            for child in children:
-                assert child.stdout.readline().strip() == "warm", "a client failed before its first steps"
+            lines = [launcher.stdout.readline().split() for _ in range(2 * CLIENTS)]
+            clients = [int(line[2]) for line in lines if line[:1] == ["pid"]]
+            warmed = sorted(int(line[1]) for line in lines if line[:1] == ["warm"])
+            assert len(clients) == CLIENTS and warmed == list(range(CLIENTS)), "a client failed before its first steps"
             daemons = [cluster.controller, *cluster.workers]
             warm = [rss(p.pid) for p in daemons]
-            for child in children:
-                child.stdin.write("go\n")
-                child.stdin.flush()
-            results = [json.loads(child.stdout.readline()) for child in children]
-            for child in children:
-                assert child.wait(60) == 0
+            launcher.stdin.write("go\n")
+            launcher.stdin.flush()
+            ended = [launcher.stdout.readline().split(maxsplit=2) for _ in range(CLIENTS)]
+            results = {int(line[1]): json.loads(line[2]) for line in ended if line[:1] == ["losses"]}
+            assert launcher.wait(60) == 0 and sorted(results) == list(range(CLIENTS))
             after = [rss(p.pid) for p in daemons]
         finally:
-            for child in children:
-                child.kill()
-    for seed, losses in enumerate(results):
+            launcher.kill()
+            for pid in clients:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    for seed, losses in results.items():
         model, batches, loss_fn = models.mlp(seed)
         expected, _ = train_reference(model, [batches[i % len(batches)] for i in range(STEPS)], loss_fn, 2, "sgd", {})
         assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(losses, expected)), seed
