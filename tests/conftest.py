@@ -17,12 +17,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        # A module's tests that share a module-scoped fixture (most start a cluster and train a
-        # job in it) go to one pytest worker (`--dist loadgroup`, pyproject.toml): spread over both,
-        # each worker set the fixture up again (test_timeline's cost 19 s a time under load).
-        defs = item._fixtureinfo.name2fixturedefs.values()
-        if any(d.scope == "module" for ds in defs for d in ds):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
     # `alone` tests first: under pytest-xdist they then run while the other pytest worker holds the
     # least memory (no shared cluster started yet, few modules imported); test_large_model's

@@ -1,4 +1,4 @@
-"""The worker's inbox of posted batches (runtime/worker/inbox.py): pure logic, no processes."""
+"""The worker's inbox of posted batches (runtime/worker/inbox.py) and the client's fallback: no processes."""
 
 import threading
 
@@ -54,3 +54,29 @@ def test_posted_tensors_must_be_those_the_step_names():
     named.inputs.append(pb.TensorData(dtype="float64", shape=[2, 3]))
     with pytest.raises(InvalidInput, match=r"the posted inputs are float32\[2, 3\], the step .* named float64\[2, 3\]"):
         batch.checked(named)
+
+
+def test_a_client_that_cannot_reach_a_reader_sends_its_batches_through_the_controller():
+    """A worker the client cannot reach (here: nothing listens) fails the post at once; the step
+    then goes through the controller, and the job stops posting (no wait for a connection per step)."""
+    from atoll._rpc import atoll_pb2 as pb
+    from atoll.client.direct import BatchPoster
+    from atoll.core.wire import tensor_to_pb
+
+    class Client:  # the parts of atoll.Client a poster uses
+        _token, _tls, routes_asked = "token", None, 0
+
+        class _endpoint:
+            default_timeout_s = 10.0
+
+        def _call(self, method, request):
+            self.routes_asked += 1
+            reader = pb.BatchReader(address="127.0.0.1:1", replica=0, replicas=1, inputs=True, targets=True)
+            return pb.BatchRouteReply(readers=[reader])
+
+    client = Client()
+    poster = BatchPoster(client, "job")
+    batch = [tensor_to_pb(torch.zeros(2, 3))]
+    assert poster.post(1, batch, batch) is False and poster.post(2, batch, batch) is False
+    assert client.routes_asked == 1  # the second step did not try again
+    poster.close()

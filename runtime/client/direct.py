@@ -16,7 +16,7 @@ import logging
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.core.wire import shard_rows
-from atoll.errors import AtollError
+from atoll.errors import AtollError, WorkerUnavailable
 from atoll.net.rpc import Endpoint
 
 log = logging.getLogger("atoll.client")
@@ -44,7 +44,7 @@ class BatchPoster:
                         reader.address,
                         self._client._token,
                         pb_grpc.WorkerStub,
-                        self._client.step_timeout_s,
+                        self._client._endpoint.default_timeout_s,  # a call's deadline, not a step's
                         tls=self._client._tls,
                     )
         return self._route
@@ -54,7 +54,9 @@ class BatchPoster:
         them. False where the job takes no posted batches (an auto_resume job: the controller
         keeps its batches to run a step again) or a post failed: the step then carries its batch
         through the controller, as any other, and meets any fault there (a batch posted to the
-        other readers is dropped by the worker once a later step runs)."""
+        other readers is dropped by the worker once a later step runs). A worker this client
+        cannot reach (only the controller may reach workers on a private network) turns posting
+        off for the job: later steps do not wait for a connection that will not come."""
         readers = self._readers()
         if not readers:
             return False
@@ -72,8 +74,14 @@ class BatchPoster:
             for endpoint, future in sent:
                 endpoint.resolve(future, "PostBatch")
         except AtollError as e:
+            if isinstance(e, WorkerUnavailable):  # not reachable from here (a private network?): stop trying
+                self._route = []
             log.warning(
-                "job %s step %d: posting its batch failed (%s); it goes through the controller", self._job_id, seq, e
+                "job %s step %d: posting its batch failed (%s); it goes through the controller%s",
+                self._job_id,
+                seq,
+                e,
+                ", as will the job's later batches" if self._route == [] else "",
             )
             return False
         return True
