@@ -28,7 +28,7 @@ def test_eight_clients_share_four_workers_for_a_hundred_steps_each(tmp_path):
         # the clients: processes of their own, forked by one that imported torch and atoll once
         launcher = subprocess.Popen(
             [sys.executable, "-m", "tests.soak_clients", cluster.address, cluster.token, str(CLIENTS), str(STEPS),
-             str(WARM)],
+             str(WARM), str(tmp_path)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         clients: list[int] = []
@@ -41,9 +41,10 @@ def test_eight_clients_share_four_workers_for_a_hundred_steps_each(tmp_path):
             warm = [rss(p.pid) for p in daemons]
             launcher.stdin.write("go\n")
             launcher.stdin.flush()
-            ended = [launcher.stdout.readline().split(maxsplit=2) for _ in range(CLIENTS)]
-            results = {int(line[1]): json.loads(line[2]) for line in ended if line[:1] == ["losses"]}
-            assert launcher.wait(60) == 0 and sorted(results) == list(range(CLIENTS))
+            ended = [launcher.stdout.readline().split() for _ in range(CLIENTS)]
+            done = sorted(int(line[1]) for line in ended if line[:1] == ["done"])
+            assert launcher.wait(60) == 0 and done == list(range(CLIENTS)), ended
+            results = {seed: json.loads((tmp_path / f"{seed}.json").read_text()) for seed in done}
             after = [rss(p.pid) for p in daemons]
         finally:
             launcher.kill()

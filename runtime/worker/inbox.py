@@ -11,7 +11,6 @@ batches of one job wait at once, so a client cannot fill the worker's memory.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -80,22 +79,16 @@ class BatchInbox:
     def take(self, job_id: str, step: int, timeout_s: float) -> PostedBatch:
         """Step ``step``'s batch, waiting up to ``timeout_s`` for it; the job's batches of earlier
         steps (refused, never to run) are dropped."""
-        deadline = time.monotonic() + timeout_s
         with self._arrived:
-            while True:
-                waiting = self._batches.get(job_id, {})
-                batch = waiting.pop(step, None)
-                if batch is not None:
-                    for stale in [s for s in waiting if s < step]:
-                        del waiting[stale]
-                    return batch
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded(
-                        f"job {job_id} step {step}: its batch was not posted to this worker within {timeout_s:g} s "
-                        f"(the client sends it with Worker.PostBatch before the step)"
-                    )
-                self._arrived.wait(remaining)
+            if not self._arrived.wait_for(lambda: step in self._batches.get(job_id, {}), timeout_s):
+                raise DeadlineExceeded(
+                    f"job {job_id} step {step}: its batch was not posted to this worker within {timeout_s:g} s "
+                    f"(the client sends it with Worker.PostBatch before the step)"
+                )
+            waiting = self._batches[job_id]
+            for stale in [s for s in waiting if s < step]:
+                del waiting[stale]
+            return waiting.pop(step)
 
     def drop(self, job_id: str) -> None:
         """The job is unloaded: its waiting batches go with it."""
