@@ -20,50 +20,58 @@ from atoll.core.wire import join_rows, join_slices, shard_rows
 from atoll.errors import AtollError
 
 
+def _batch_readers(job: Job):
+    """Each worker that reads the job's batch, replica by replica: (worker index, replica, whether it
+    reads the inputs, whether it reads the targets); every other worker reads none of it."""
+    topo = job.compiled.topology
+    readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
+    for d, r, tp in itertools.product(range(topo.data_parallel), sorted({*readers, last}), range(topo.tensor_parallel)):
+        yield topo.worker(d, r, tp), d, r in readers, r == last
+
+
 def _step_requests(job: Job, seq: int, request: pb.StepRequest, mode: str, input_refs, target_refs):
     """Step ``seq``'s request per worker index (only for the workers that read the batch or hold
     the last stage), and the request shared by all the others."""
-    topo = job.compiled.topology
-    readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
-    replicas = topo.data_parallel
+    replicas = job.compiled.topology.data_parallel
     common = pb.RunStepRequest(job_id=job.job_id, step=seq, mode=mode)
-    own = {}
-    for d in range(replicas):  # each replica reads its own rows of the batch
-        inputs = [shard_rows(t, d, replicas) for t in request.inputs]
-        targets = [shard_rows(t, d, replicas) for t in request.targets]
-        for r, tp in itertools.product({*readers, last}, range(topo.tensor_parallel)):
-            own[topo.worker(d, r, tp)] = pb.RunStepRequest(
-                job_id=job.job_id,
-                step=seq,
-                inputs=inputs if r in readers else [],
-                targets=targets if r == last else [],
-                input_refs=input_refs if r in readers else [],
-                target_refs=target_refs if r == last else [],
-                input_ref_at=request.input_ref_at if r in readers else [],
-                target_ref_at=request.target_ref_at if r == last else [],
-                keep_outputs=request.keep_outputs and r == last,
-                mode=mode,
-                direct=request.direct and (r in readers or r == last),
+    own, rows = {}, {}
+    for index, d, inputs, targets in _batch_readers(job):
+        if d not in rows:  # each replica reads its own rows of the batch, cut once
+            rows[d] = (
+                [shard_rows(t, d, replicas) for t in request.inputs],
+                [shard_rows(t, d, replicas) for t in request.targets],
             )
+        own[index] = pb.RunStepRequest(
+            job_id=job.job_id,
+            step=seq,
+            inputs=rows[d][0] if inputs else [],
+            targets=rows[d][1] if targets else [],
+            input_refs=input_refs if inputs else [],
+            target_refs=target_refs if targets else [],
+            input_ref_at=request.input_ref_at if inputs else [],
+            target_ref_at=request.target_ref_at if targets else [],
+            keep_outputs=request.keep_outputs and targets,
+            mode=mode,
+            direct=request.direct,
+        )
     return own, common
 
 
 def batch_route(job: Job) -> pb.BatchRouteReply:
-    """The workers that read the job's batch, and which part each reads (as ``_step_requests``
+    """The workers that read the job's batch and which part each reads (as ``_step_requests``
     cuts it), for a client that posts batches to them itself."""
-    topo = job.compiled.topology
-    readers, last = job.compiled.batch_ranks, topo.rank_of(topo.num_stages - 1)
+    replicas = job.compiled.topology.data_parallel
     route = pb.BatchRouteReply()
-    for d, r, tp in itertools.product(range(topo.data_parallel), sorted({*readers, last}), range(topo.tensor_parallel)):
-        worker = job.workers[topo.worker(d, r, tp)]
+    for index, d, inputs, targets in _batch_readers(job):
+        worker = job.workers[index]
         route.readers.append(
             pb.BatchReader(
                 worker_id=worker.worker_id,
                 address=worker.address,
                 replica=d,
-                replicas=topo.data_parallel,
-                inputs=r in readers,
-                targets=r == last,
+                replicas=replicas,
+                inputs=inputs,
+                targets=targets,
             )
         )
     return route

@@ -154,7 +154,7 @@ class Job:
             first, self._next_seq = self._next_seq, self._next_seq + len(sent)
             request = pb.StepsRequest(
                 steps=[
-                    self._request(seq, "train", inputs, targets)
+                    pb.StepRequest(job_id=self.id, seq=seq, mode="train", **self._batch(seq, inputs, targets))
                     for seq, (inputs, targets) in enumerate(sent, start=first)
                 ]
             )
@@ -181,32 +181,33 @@ class Job:
         targets, target_values, target_at = ([], (), []) if target is None else _batch(target, "target")
         self._wait_for_window()
         with self._lock:
+            plain = not (input_values or target_values)  # remote values' holders are named at dispatch
             request = pb.StepRequest(
+                job_id=self.id,
                 input_refs=[v.ref for v in input_values],
                 target_refs=[v.ref for v in target_values],
                 input_ref_at=input_at,
                 target_ref_at=target_at,
                 keep_outputs=keep,
+                seq=self._next_seq,
+                mode=mode,
+                **self._batch(self._next_seq, inputs, targets, postable=plain),
             )
-            plain = not (input_values or target_values)  # remote values' holders are named at dispatch
-            request.MergeFrom(self._request(self._next_seq, mode, inputs, targets, plain))
             self._next_seq += 1
             call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s)
             step = StepFuture(self, call, mode, (*input_values, *target_values))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
 
-    def _request(self, seq: int, mode: str, inputs, targets, postable: bool = True) -> pb.StepRequest:
-        """Step ``seq``'s request: with its tensors, or with their specs once the tensors are
-        posted to the workers that read them (``direct_batch_bytes``); call holding the lock, so
-        posts and steps go out in step order."""
+    def _batch(self, seq: int, inputs, targets, postable: bool = True) -> dict:
+        """Step ``seq``'s batch fields: its tensors, or their specs once the tensors are posted to
+        the workers that read them (``direct_batch_bytes``); call holding the lock, so posts and
+        steps go out in step order."""
         nbytes = sum(len(t.data) for t in (*inputs, *targets))
-        direct = postable and self.direct_batch_bytes is not None and nbytes >= self.direct_batch_bytes
-        if direct and self._poster.post(seq, inputs, targets):
-            inputs, targets = specs_only(inputs), specs_only(targets)
-        else:
-            direct = False
-        return pb.StepRequest(job_id=self.id, inputs=inputs, targets=targets, seq=seq, mode=mode, direct=direct)
+        if postable and self.direct_batch_bytes is not None and nbytes >= self.direct_batch_bytes:
+            if self._poster.post(seq, inputs, targets):
+                return {"inputs": specs_only(inputs), "targets": specs_only(targets), "direct": True}
+        return {"inputs": inputs, "targets": targets}
 
     DIRECT_BATCH_BYTES = 2 << 20
     """Default ``direct_batch_bytes``: below it a step's one message through the controller costs
