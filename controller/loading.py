@@ -3,6 +3,7 @@ there (each worker's LoadPlanRequest, the pipeline's transports, the plan report
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -101,7 +102,9 @@ class Loader:
     def compile(self, request: pb.PipelineProgram) -> CompiledPipeline:
         """A submitted program compiled (also a restarted controller's recorded one, controller/recovery.py)."""
         with self._compile_lock:  # torch.export's (de)serializers keep global state: one compile at a time
-            return compile_pipeline(decode_program(request))
+            compiled = compile_pipeline(decode_program(request))
+        # the stages' programs carry the weights from here on: the job does not hold the model twice
+        return dataclasses.replace(compiled, request=dataclasses.replace(compiled.request, model=b""))
 
     def submit(self, request: pb.PipelineProgram) -> pb.SubmitReply:
         base = None

@@ -40,6 +40,11 @@ def test_large_fields_travel_beside_the_message_and_come_back_in_place(small_pie
     assert all(len(c.data) <= 64 for c in sent)
     got_head, data = chunked.assemble(iter(sent))
     assert chunked.parse(pb.LoadPlanRequest, got_head, data, "LoadPlan") == request
+    # keep=False (a message built for one call): the same pieces, the large fields left out after
+    consumed = _plan()
+    assert list(chunked.pieces("LoadPlan", consumed, keep=False)) == sent
+    assert not consumed.loss_program and not consumed.stages[0].exported_program
+    assert consumed.stages[1].exported_program == b"small" and consumed.job_id == "job1"
 
 
 def test_pieces_that_do_not_add_up_are_refused(small_pieces):
@@ -53,3 +58,18 @@ def test_pieces_that_do_not_add_up_are_refused(small_pieces):
         chunked.parse(pb.LoadPlanRequest, wrong, data, "LoadPlan")
     with pytest.raises(InvalidInput, match="not a chunked method"):
         chunked.message_types("Worker", "RunStep")
+
+
+def test_pieces_cut_across_the_parts_still_come_back_whole(small_pieces):
+    """``pieces`` cuts each part on its own and ``assemble`` joins each from its own pieces; pieces
+    cut any other way (another sender) are put together whole and cut by the announced sizes."""
+    request = _plan()
+    sent = list(chunked.pieces("LoadPlan", request))
+    payload = b"".join(c.data for c in sent)
+    recut = [pb.Chunk(data=payload[i : i + 50]) for i in range(0, len(payload), 50)]
+    recut[0].MergeFrom(pb.Chunk(method=sent[0].method, sizes=sent[0].sizes, paths=sent[0].paths))
+    head, parts = chunked.assemble(iter(recut))
+    assert [len(p) for p in parts] == list(head.sizes)
+    assert chunked.parse(pb.LoadPlanRequest, head, parts, "LoadPlan") == request
+    with pytest.raises(InvalidInput, match="do not add up"):  # a piece short
+        chunked.parse(pb.LoadPlanRequest, *chunked.assemble(iter(recut[:-1])), "LoadPlan")

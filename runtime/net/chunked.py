@@ -55,9 +55,10 @@ def _holder(message, path: tuple):
     return message, path[-1][0]
 
 
-def pieces(method: str, message) -> Iterator[pb.Chunk]:
+def pieces(method: str, message, keep: bool = True) -> Iterator[pb.Chunk]:
     """``message`` as Chunks; its large fields are lifted out while the rest is serialized, then
-    put back, so the caller's message is unchanged."""
+    put back, so the caller's message is unchanged. ``keep=False`` leaves them out: for a message
+    built for this one call, putting a model's weights back is a copy of them for nothing."""
     lifted = _large_fields(message)
     for path, _ in lifted:
         holder, name = _holder(message, path)
@@ -65,7 +66,7 @@ def pieces(method: str, message) -> Iterator[pb.Chunk]:
     try:
         skeleton = message.SerializeToString()
     finally:
-        for path, value in lifted:
+        for path, value in lifted if keep else ():
             holder, name = _holder(message, path)
             setattr(holder, name, value)
     first = True
@@ -93,17 +94,49 @@ def available_bytes() -> int:
     return 1 << 62
 
 
-def assemble(chunks: Iterable[pb.Chunk]) -> tuple[pb.Chunk, bytes]:
-    """The first piece (method, sizes, paths) and the whole payload; refuses a payload this
-    machine could not hold rather than running out of memory gathering it."""
-    head, parts, total, limit = None, [], 0, available_bytes() // 2
+def assemble(chunks: Iterable[pb.Chunk]) -> tuple[pb.Chunk, list[bytes]]:
+    """The first piece (method, sizes, paths) and the payload's parts as it announces them: the
+    message without its lifted fields, then each lifted field. ``pieces`` cuts each part on its
+    own, so each is joined from its own pieces, with no copy of the whole payload (a field of one
+    piece is not copied at all). Refuses a payload this machine could not hold rather than running
+    out of memory gathering it."""
+    head, received, total, limit = None, [], 0, available_bytes() // 2
     for chunk in chunks:
         head = chunk if head is None else head
-        total += len(chunk.data)
+        data = chunk.data  # upb copies a bytes field at every read: read it once
+        total += len(data)
         if total > limit:
             raise InvalidInput(f"a chunked {head.method} call exceeds the {limit} bytes this machine can take now")
-        parts.append(chunk.data)
-    return head or pb.Chunk(), b"".join(parts)
+        if data:
+            received.append(data)
+    head = head or pb.Chunk()
+    sizes = list(head.sizes) or [total]
+    return head, _aligned(received, sizes) or _cut(b"".join(received), sizes)
+
+
+def _aligned(received: list[bytes], sizes: list[int]) -> list[bytes] | None:
+    """Each part joined from the pieces that make it up, or None where a piece crosses a part's end."""
+    parts, i = [], 0
+    for size in sizes:
+        run, n = [], 0
+        while n < size and i < len(received):
+            run.append(received[i])
+            n += len(received[i])
+            i += 1
+        if n != size:
+            return None
+        parts.append(run[0] if len(run) == 1 else b"".join(run))
+    return parts if i == len(received) else None
+
+
+def _cut(data: bytes, sizes: list[int]) -> list[bytes]:
+    """The parts of pieces cut some other way (or that do not add up: ``parse`` refuses those)."""
+    if any(n < 0 for n in sizes) or sum(sizes) != len(data):
+        return [data]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    return [data[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def message_types(service: str, method: str):
@@ -116,31 +149,31 @@ def message_types(service: str, method: str):
     return getattr(pb, desc.input_type.name), getattr(pb, desc.output_type.name)
 
 
-def parse(cls, head: pb.Chunk, data: bytes, what: str):
+def parse(cls, head: pb.Chunk, parts: list[bytes], what: str):
     """The message ``pieces`` sent: its skeleton parsed, its lifted fields put back in place."""
-    sizes = list(head.sizes) or [len(data)]
-    if any(n < 0 for n in sizes) or sum(sizes) != len(data) or len(head.paths) != len(sizes) - 1:
+    sizes = list(head.sizes) or [sum(len(p) for p in parts)]
+    if len(parts) != len(sizes) or [len(p) for p in parts] != sizes or len(head.paths) != len(sizes) - 1:
         raise InvalidInput(f"{what}: the pieces do not add up to what their first piece announced")
     try:
-        message = cls.FromString(data if sizes[0] == len(data) else data[: sizes[0]])
+        message = cls.FromString(parts[0])
     except DecodeError as e:
         raise InvalidInput(f"{what}: malformed {cls.__name__}: {e}") from None
-    start = sizes[0]
-    for raw, size in zip(head.paths, sizes[1:]):
+    for raw, value in zip(head.paths, parts[1:]):
         try:
             holder, name = _holder(message, tuple(tuple(step) for step in json.loads(raw)))
-            setattr(holder, name, data[start : start + size])
+            setattr(holder, name, value)
         except (ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
             raise InvalidInput(f"{what}: no bytes field at {raw}: {type(e).__name__}: {e}") from None
-        start += size
     return message
 
 
 def serve(servicer, service: str, chunks: Iterable[pb.Chunk], context) -> Iterator[pb.Chunk]:
     """The body of a service's ``Chunked`` RPC: run the named method on the whole request."""
-    head, data = assemble(chunks)
+    head, parts = assemble(chunks)
     request_type, _ = message_types(service, head.method)
     handler = getattr(type(servicer), head.method)
     # under its rpc_handler (whose errors this RPC's own handler reports): the method's checks still run
-    reply = handler.__wrapped__(servicer, parse(request_type, head, data, head.method), context)
-    yield from pieces("", reply)
+    request = parse(request_type, head, parts, head.method)
+    del parts  # the request holds its own copy: a model's weights are not held twice while it runs
+    reply = handler.__wrapped__(servicer, request, context)
+    yield from pieces("", reply, keep=False)

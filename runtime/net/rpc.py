@@ -162,8 +162,8 @@ def _service_of(stub_class) -> str:
     return stub_class.__name__.removesuffix("Stub")
 
 
-def _chunked_reply(service: str, method: str, head, data: bytes):
-    return chunked.parse(chunked.message_types(service, method)[1], head, data, f"reply of {method}")
+def _chunked_reply(service: str, method: str, head, parts: list[bytes]):
+    return chunked.parse(chunked.message_types(service, method)[1], head, parts, f"reply of {method}")
 
 
 class Answer:
@@ -207,7 +207,10 @@ class Endpoint:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         try:
             if method in chunked.CHUNKED_METHODS:  # weights ride in these: in pieces, of any size
-                replies = self._stub.Chunked(chunked.pieces(method, request), timeout=timeout, metadata=self._metadata)
+                # a chunked call's request is built for it (a dispatch copies one it shares): its
+                # weights need not be put back after the call
+                pieces = chunked.pieces(method, request, keep=False)
+                replies = self._stub.Chunked(pieces, timeout=timeout, metadata=self._metadata)
                 return _chunked_reply(self._service, method, *chunked.assemble(replies))
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as e:
@@ -312,7 +315,8 @@ class AsyncCalls:
             entry = self._channels[address] = (channel, self._stub_class(channel))
         try:
             if method in chunked.CHUNKED_METHODS:
-                call = entry[1].Chunked(chunked.pieces(method, request), timeout=timeout_s, metadata=self._metadata)
+                pieces = chunked.pieces(method, request, keep=False)  # as in Endpoint.call
+                call = entry[1].Chunked(pieces, timeout=timeout_s, metadata=self._metadata)
                 return _chunked_reply(self._service, method, *chunked.assemble([c async for c in call]))
             return await getattr(entry[1], method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
