@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
 
 import atoll  # noqa: E402
-from atoll.client.local import huge_pages_for_large_blocks  # noqa: E402
+from atoll.client.local import daemon_malloc_tunables  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
@@ -285,9 +285,9 @@ class TorchSide:
         self.procs = [
             ctx.Process(target=target, args=(r, world, port, *settings, self.go, self.results)) for r in range(world)
         ]
-        # the peers start with the malloc setting LocalCluster gives atoll's daemons (huge pages for large blocks)
+        # the peers start with the malloc settings LocalCluster gives atoll's daemons (DAEMON_MALLOC)
         tunables = os.environ.get("GLIBC_TUNABLES")
-        os.environ["GLIBC_TUNABLES"] = huge_pages_for_large_blocks(tunables or "")
+        os.environ["GLIBC_TUNABLES"] = daemon_malloc_tunables(tunables or "")
         try:
             for p in self.procs:
                 p.start()

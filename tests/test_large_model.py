@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll.client.local import huge_pages_for_large_blocks
+from atoll.client.local import DAEMON_MALLOC, daemon_malloc_tunables
 from atoll.net.chunked import available_bytes
 from atoll.net.rpc import MAX_MESSAGE_BYTES
 
@@ -34,9 +34,10 @@ def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
     assert weight_bytes > MAX_MESSAGE_BYTES
     x, y = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
     with atoll.LocalCluster(workers=1) as cluster, cluster.client() as client:
-        for pid in cluster.pids:  # the daemons' large blocks come in huge pages (huge_pages_for_large_blocks)
+        for pid in cluster.pids:  # the daemons' malloc settings (DAEMON_MALLOC)
             environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            assert any(e.startswith(b"GLIBC_TUNABLES=") and b"glibc.malloc.hugetlb=" in e for e in environ), pid
+            tunables = [e for e in environ if e.startswith(b"GLIBC_TUNABLES=")]
+            assert tunables and all(name.encode() in tunables[0] for name in DAEMON_MALLOC), (pid, tunables)
         job = client.pipeline(
             model, example_input=x, example_target=y, loss_fn=F.mse_loss, stages=1, microbatches=1,
             optimizer="sgd", optimizer_args={"lr": LR},
@@ -57,7 +58,11 @@ def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
             torch.testing.assert_close(f.get_tensor(f"param/{name}"), p - LR * p.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_daemons_ask_for_huge_pages_unless_the_caller_chose():
-    assert huge_pages_for_large_blocks("") == "glibc.malloc.hugetlb=1"
-    assert huge_pages_for_large_blocks("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert huge_pages_for_large_blocks("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"
+def test_daemons_take_the_malloc_settings_unless_the_caller_chose():
+    both = "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2"
+    assert daemon_malloc_tunables("") == both
+    assert daemon_malloc_tunables("glibc.malloc.tcache_count=0") == "glibc.malloc.tcache_count=0:" + both
+    assert daemon_malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
+    assert daemon_malloc_tunables("glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2") == (
+        "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2"
+    )
