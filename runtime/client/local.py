@@ -40,9 +40,9 @@ this project's 2-core VM, where a first touch of fresh memory is costly:
   times on their way to the workers: submitting a 1.2 GB model took 56-68 s, 80% of the controller's
   CPU in the kernel zeroing new 4 KiB pages; 43-51 s with this alone.
 - ``arena_max=2``: a daemon's threads (gRPC's pool, the executor, the heartbeat) share two malloc
-  arenas instead of one each: a ZeRO-3 worker's peak RSS growth over training (bench/zero.py, 4
-  workers) averaged 45.3 MB without it (two runs, 42-54 MB) and 40.6 MB with it (four runs, 34-49
-  MB), FSDP2's ranks under the same settings 42.7 MB (40-45); steps/s unchanged.
+  arenas (glibc's default allows eight per core): a ZeRO-3 worker's peak RSS growth over training
+  (bench/zero.py, 4 workers) averaged 44.3 MiB without it (two runs, 40-54 MiB) and 40.3 MiB with
+  it (four runs, 34-49 MiB), FSDP2's ranks under the same settings 42.7 MiB (40-45); steps/s unchanged.
 """
 
 
