@@ -49,6 +49,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -286,16 +287,9 @@ class TorchSide:
             ctx.Process(target=target, args=(r, world, port, *settings, self.go, self.results)) for r in range(world)
         ]
         # the peers start with the malloc settings LocalCluster gives atoll's daemons (DAEMON_MALLOC)
-        tunables = os.environ.get("GLIBC_TUNABLES")
-        os.environ["GLIBC_TUNABLES"] = daemon_malloc_tunables(tunables or "")
-        try:
+        with mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", ""))):
             for p in self.procs:
                 p.start()
-        finally:
-            if tunables is None:
-                os.environ.pop("GLIBC_TUNABLES")
-            else:
-                os.environ["GLIBC_TUNABLES"] = tunables
         for _ in self.procs:  # started, imported and warmed up before any round is timed
             assert self._result(600) == "ready"
 
