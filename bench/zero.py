@@ -2,17 +2,19 @@
 
 Both sides train the GPT example (examples/gpt.py) from the same initial weights with AdamW, on
 ``--workers`` CPU processes over gloo, each process taking 1/workers of every batch in one
-microbatch. FSDP2 wraps every block and then the root (its usual per-block units); atoll runs
-``data_parallel=workers, zero=3`` on one pipeline stage. The two are measured in alternating
-rounds while both sets of processes stay up. Prints one JSON object: tokens/s per side and their
-ratio (above 1: atoll faster), and per rank the model state held at the optimizer step
+microbatch. FSDP2 wraps every block and then the root (its usual per-block units, resharded after
+forward, its default); atoll runs ``data_parallel=workers, zero=3`` on one pipeline stage, gathering
+the rank's parameters once per step, or, with ``--reshard-after-forward``, cut into ``--layers``
+units (``virtual_stages``), each gathered before each of its computes and freed after it. The two
+are measured in alternating rounds while both sets of processes stay up. Prints one JSON object:
+tokens/s per side and their ratio (above 1: atoll faster), and per rank the model state held at the optimizer step
 (parameters, gradients, optimizer state: atoll's own count, and FSDP2's local shards summed the
 same way) and the growth of the process's peak resident memory over training (VmHWM after the
 steps less VmRSS once the model is built and sharded, or the job loaded; peaks reset through
 /proc/PID/clear_refs), which counts activations, gathered parameters and every temporary alike
 on both sides.
 
-    python bench/zero.py [--workers 4] [--steps 6] [--rounds 3]
+    python bench/zero.py [--workers 4] [--steps 6] [--rounds 3] [--reshard-after-forward]
     python bench/zero.py --workers 2 --layers 1 --d-model 16 --steps 1 --rounds 1   # smallest (smoke test)
 
 Nothing here asserts on time.
@@ -125,9 +127,12 @@ class AtollSide:
         self.batches, self.next = batches, 0
         self.pids = [p.pid for p in cluster.workers]
         x, y = batches[0]
+        units = {}
+        if args.reshard_after_forward:  # a unit per block, as FSDP2's side wraps them
+            units = dict(virtual_stages=args.layers, schedule="interleaved_1f1b", reshard_after_forward=True)
         self.job = client.pipeline(
             model, example_input=x, example_target=y, loss_fn=lm_loss, stages=1, microbatches=1,
-            optimizer="adamw", optimizer_args=ADAMW, data_parallel=args.workers, zero=3,
+            optimizer="adamw", optimizer_args=ADAMW, data_parallel=args.workers, zero=3, **units,
         )  # fmt: skip
         self.baseline = [reset_peak_rss(pid) for pid in self.pids]  # the job loaded; training from here
         self.run(args.warmup)
@@ -164,6 +169,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--reshard-after-forward", action="store_true", help="atoll gathers per unit (one per layer), as FSDP2 does"
+    )
     args = parser.parse_args()
     args.model, args.dtype = "gpt", "float32"
     if args.batch % args.workers:
@@ -188,6 +196,7 @@ def main() -> None:
                 "benchmark": "zero",
                 "model": f"gpt layers={args.layers} d_model={args.d_model} params={params}",
                 "workers": args.workers,
+                "atoll_reshard_after_forward": args.reshard_after_forward,
                 "batch": args.batch,
                 "block_size": args.block_size,
                 "optimizer": "adamw",

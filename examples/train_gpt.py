@@ -4,6 +4,7 @@
     python examples/train_gpt.py --schedule gpipe --steps 50
     python examples/train_gpt.py --data-parallel 2   # 2 replicas of a 2-stage pipeline
     python examples/train_gpt.py --data-parallel 2 --zero   # ... with ZeRO-1
+    python examples/train_gpt.py --data-parallel 2 --zero 3 --reshard-after-forward   # ZeRO-3, gathers per stage
     python examples/train_gpt.py --tensor-parallel 2 # 2 stages, each sharded over 2 workers
     python examples/train_gpt.py --tensor-parallel 2 --sequence-parallel   # ... with sequence parallelism
     python examples/train_gpt.py --workers 8 --tensor-parallel 2 --data-parallel 2 --zero   # PP2 x TP2 x DP2
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         help="ZeRO stage over the replicas (1: optimizer state, 2: + gradients, 3: + parameters; --zero alone: 1)",
     )  # fmt: skip
     parser.add_argument(
+        "--reshard-after-forward", action="store_true",
+        help="with --zero 3: each stage (chunk) gathered per compute and freed after it, as FSDP2 does",
+    )  # fmt: skip
+    parser.add_argument(
         "--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, bfloat16 between stages"
     )
     parser.add_argument("--steps", type=int, default=300)
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
             f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} "
             f"does not divide --workers {args.workers}"
         )
+    if args.reshard_after_forward and args.zero != 3:
+        parser.error("--reshard-after-forward frees ZeRO-3's gathered parameters: give --zero 3")
     if args.zero and args.data_parallel < 2:
         parser.error("--zero shards model state over data-parallel replicas: give --data-parallel 2 or more")
 
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             tensor_parallel=args.tensor_parallel,
             sequence_parallel=args.sequence_parallel,
             zero=args.zero,
+            reshard_after_forward=args.reshard_after_forward,
             precision=args.precision,
             microbatches=args.microbatches,
             schedule=args.schedule,

@@ -24,6 +24,11 @@ def check_config(cfg: JobConfig) -> None:
         raise InvalidInput(f"zero must be 0, 1, 2 or 3 (a ZeRO stage), got {cfg.zero}")
     if cfg.zero and cfg.data_parallel < 2:
         raise InvalidInput(f"zero={cfg.zero} shards model state across data-parallel replicas: needs data_parallel > 1")
+    if cfg.reshard_after_forward and cfg.zero != 3:
+        raise InvalidInput(
+            "reshard_after_forward frees ZeRO-3's gathered parameters after each compute: "
+            f"needs zero=3, got zero={cfg.zero}"
+        )
     if cfg.data_parallel > 1 and cfg.device != "cpu":
         raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
     if cfg.tensor_parallel > 1 and cfg.device != "cpu":

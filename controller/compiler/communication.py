@@ -43,7 +43,10 @@ def predict_rank(
     zero_shards: int,
     mode: str = "train",
     island: dict[int, tuple[int, int, int]] | None = None,
+    unit_params: dict[int, list[torch.Tensor]] | None = None,
 ) -> dict[str, int]:
+    """``params``: the rank's trainable parameters, which its replicas' collectives move; or, where
+    ``unit_params`` names a stage (ZeRO-3 with ``reshard_after_forward``), those of its unit."""
     sent = received = all_reduced = island_reduced = 0
     last = routes.flow.num_stages - 1
     island = island or {}
@@ -66,8 +69,9 @@ def predict_rank(
             tied = _bytes(routes.tied_recv_specs(rank))
             sent, received = sent + tied, received + tied
         elif kind.group == "replicas":
-            elements = sum(p.numel() for p in params)
+            moved = unit_params.get(s, []) if unit_params is not None else params
+            elements = sum(p.numel() for p in moved)
             if zero_shards > 1:  # the flat buffer, padded to equal shards (runtime/worker/executor/zero.py)
                 elements = math.ceil(elements / zero_shards) * zero_shards
-            all_reduced += elements * (params[0].element_size() if params else 0)
+            all_reduced += elements * (moved[0].element_size() if moved else 0)
     return {"sent": sent, "received": received, "all_reduced": all_reduced, "island_all_reduced": island_reduced}

@@ -138,7 +138,7 @@ class RankMemory:
 
 
 class ZeroBytes(NamedTuple):
-    """One rank's ZeRO layout in bytes: its stage, its flat buffer (padded to equal shards) and one shard."""
+    """One ZeRO unit's layout in bytes: its stage, its flat buffer (padded to equal shards) and one shard."""
 
     stage: int
     flat: int
@@ -151,11 +151,30 @@ class ZeroLayout:
 
     stage: int
     replicas: int
+    per_stage: bool = False
+    """ZeRO-3 with ``reshard_after_forward``: each stage's parameters are a unit of their own."""
 
     def bytes_of(self, params: Sequence[torch.Tensor]) -> ZeroBytes:
         shard = math.ceil(sum(p.numel() for p in params) / self.replicas)
         item = params[0].element_size() if params else 0
         return ZeroBytes(self.stage, shard * self.replicas * item, shard * item)
+
+    def units(self, stages: Sequence[int], stage_params: dict[int, list[torch.Tensor]]) -> dict[int, list[int]]:
+        """A rank's units: the first stage of each -> its stages (those without trainable
+        parameters belong to none when each stage is a unit)."""
+        if not self.per_stage:
+            return {stages[0]: list(stages)}
+        return {s: [s] for s in stages if stage_params[s]}
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroUnits:
+    """A rank's ZeRO units, as the memory walk needs them."""
+
+    bytes: dict[int, ZeroBytes]
+    """Unit (its first stage) -> its layout."""
+    unit_of: dict[int, int]
+    """Stage -> its unit."""
 
 
 def predict_rank(
@@ -163,23 +182,25 @@ def predict_rank(
     stage_memory: dict[int, StageMemory],
     optimizer_bytes: int,
     buffer_bytes: int,
-    zero: ZeroBytes | None = None,
+    zero: ZeroUnits | None = None,
 ) -> RankMemory:
     """``zero``: the ZeRO layout of the rank's trainable parameters, if any."""
     trainable = sum(stage_memory[s].gradient_bytes for s in stage_memory)
     parameters = sum(stage_memory[s].parameter_bytes for s in stage_memory)
-    if zero is not None:  # laid out in the flat buffer (ZeRO-3: only this replica's shard of it)
-        parameters += (zero.shard if zero.stage == 3 else zero.flat) - trainable
+    if zero is not None:  # laid out in flat buffers (ZeRO-3: only this replica's shard of each)
+        parameters += sum(u.shard if u.stage == 3 else u.flat for u in zero.bytes.values()) - trainable
+    unit_of = zero.unit_of if zero is not None else {}
     activations, stashed, peak, peak_stashed, at_step = 0, 0, MemorySnapshot(), 0, None
     stages_with_grads: set[int] = set()
-    reduced: int | None = None  # the gradient bytes once the replicas' reduction has run
+    reduced: dict[int, int] = {}  # unit -> its gradient bytes once the replicas' reduction has run
+    gathered: set[int] = set()  # ZeRO-3: the units whose whole parameters are held
 
     def observe(step: bool = False):
         nonlocal peak, peak_stashed, at_step
-        grads = sum(stage_memory[s].gradient_bytes for s in stages_with_grads)
+        grads = sum(stage_memory[s].gradient_bytes for s in stages_with_grads if unit_of.get(s) not in reduced)
         snap = MemorySnapshot(
             parameters=parameters,
-            gradients=grads if reduced is None else reduced,
+            gradients=grads + sum(reduced.values()),
             optimizer=optimizer_bytes,
             activations=activations,
             buffers=buffer_bytes,
@@ -192,6 +213,7 @@ def predict_rank(
 
     held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> bytes its input half keeps
     for a in actions:
+        unit = unit_of.get(a.stage)
         if a.kind.memory == "stash":
             activations += stage_memory[a.stage].stashed_bytes
             stashed += 1
@@ -210,13 +232,17 @@ def predict_rank(
             stashed -= 1
             stages_with_grads.add(a.stage)
             observe()
-        elif a.kind.memory == "gather" and zero is not None:
-            parameters += zero.flat
-            observe()
-        elif a.kind.memory == "reduce" and zero is not None:
-            reduced = zero.flat if zero.stage == 1 else zero.shard  # ZeRO-1 keeps the whole average
-            if zero.stage == 3:
-                parameters -= zero.flat
+        elif a.kind.memory == "gather" and unit is not None:
+            if unit not in gathered:
+                parameters += zero.bytes[unit].flat
+                gathered.add(unit)
+            observe()  # as the worker does after every gather
+        elif a.kind.memory == "free" and unit in gathered:
+            parameters -= zero.bytes[unit].flat
+            gathered.discard(unit)
+        elif a.kind.memory == "reduce" and unit is not None:
+            layout = zero.bytes[unit]
+            reduced[unit] = layout.flat if layout.stage == 1 else layout.shard  # ZeRO-1 keeps the whole average
         elif a.kind.memory == "observe":
             observe(step=a.kind.category == "step")
     return RankMemory(peak, peak_stashed, at_step)
@@ -241,22 +267,25 @@ def predict(
     routes: Routes,
     zero: ZeroLayout | None = None,
 ) -> dict[int, RankMemory]:
-    """Per rank. Under ZeRO a rank's trainable parameters are one flat buffer, padded to equal
-    shards, and its optimizer steps one shard of it (runtime/worker/executor/zero.py): one tensor
-    of ceil(elements / replicas)."""
+    """Per rank. Under ZeRO a rank's trainable parameters are flat buffers (one per unit), each
+    padded to equal shards, and its optimizer steps one shard of each (runtime/worker/executor/zero.py):
+    one tensor of ceil(elements / replicas) per unit."""
     out = {}
     for rank in range(topo.ranks):
         stages = topo.stages_of(rank)
         params = [p for s in stages for p in stage_params[s]]
-        layout = None
+        units = None
         if zero is not None and params:
-            layout = zero.bytes_of(params)
-            params = [torch.empty(layout.shard // params[0].element_size(), dtype=params[0].dtype, device="meta")]
+            members = zero.units(stages, stage_params)
+            layouts = {u: zero.bytes_of([p for s in ss for p in stage_params[s]]) for u, ss in members.items()}
+            units = ZeroUnits(layouts, {s: u for u, ss in members.items() for s in ss})
+            item = params[0].element_size()
+            params = [torch.empty(b.shard // item, dtype=params[0].dtype, device="meta") for b in layouts.values()]
         out[rank] = predict_rank(
             lowered.actions[rank],
             {s: stage_memory[s] for s in stages},
             optimizer_state_bytes(optimizer, optimizer_args, params),
             buffer_bytes(lowered, rank, routes),
-            layout,
+            units,
         )
     return out

@@ -204,7 +204,9 @@ def measure_stages(st: CompileState) -> None:
 def schedule(st: CompileState) -> None:
     """Reads the topology and routes; adds the lowered per-rank action lists (the schedule as data,
     lowered per edge: SEND/RECV or local hand-off, receive slots, per-step collectives)."""
-    st.lowered = lower(build_schedule(st.topology), st.topology, st.routes, gather=st.config.zero == 3)
+    cfg = st.config
+    gather, reshard = cfg.zero == 3, cfg.zero == 3 and cfg.reshard_after_forward
+    st.lowered = lower(build_schedule(st.topology), st.topology, st.routes, gather=gather, reshard=reshard)
 
 
 def simulate_plan(st: CompileState) -> None:
@@ -234,14 +236,22 @@ def predict_memory(st: CompileState) -> None:
         cfg.optimizer,
         cfg.optimizer_args,
         st.routes,
-        zero=memory_plan.ZeroLayout(cfg.zero, cfg.data_parallel) if cfg.zero else None,
+        zero=_zero_layout(cfg),
     )
+
+
+def _zero_layout(cfg) -> memory_plan.ZeroLayout | None:
+    return memory_plan.ZeroLayout(cfg.zero, cfg.data_parallel, cfg.reshard_after_forward) if cfg.zero else None
 
 
 def count_communication(st: CompileState) -> None:
     """Adds the bytes each rank moves in one step (controller/compiler/communication.py)."""
     cfg, topo = st.config, st.topology
     island = communication_plan.island_bytes(st.shardings, cfg.rematerialize)
+    zero = _zero_layout(cfg)
+    units = {}
+    if zero is not None and zero.per_stage:  # each stage's replica collectives move its own unit
+        units = {r: {s: st.stage_params[s] for s in topo.stages_of(r)} for r in range(topo.ranks)}
     st.communication = {
         r: communication_plan.predict_rank(
             st.lowered.actions[r],
@@ -250,6 +260,7 @@ def count_communication(st: CompileState) -> None:
             [p for s in topo.stages_of(r) for p in st.stage_params[s]],
             cfg.data_parallel if cfg.zero else 1,
             island=island,
+            unit_params=units.get(r),
         )
         for r in range(topo.ranks)
     }

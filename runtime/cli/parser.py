@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zero", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage over the replicas (JobConfig.zero)"
     )
+    p.add_argument(
+        "--reshard-after-forward", action="store_true", help="with --zero 3: gather and free each stage per compute"
+    )
     p.add_argument("--tensor-parallel", type=int, default=None, help="workers per stage, the stage sharded over them")
     p.add_argument("--sequence-parallel", action="store_true", help="with --tensor-parallel: slice the sequence")
     p.add_argument("--rematerialize", action="store_true", help="recompute activations in backward, not stash them")

@@ -28,6 +28,7 @@ _OVERRIDES = (
     "virtual_stages",
     "data_parallel",
     "zero",
+    "reshard_after_forward",
     "tensor_parallel",
     "sequence_parallel",
 )

@@ -60,6 +60,7 @@ class Client(Connection):
         dispatch: str = "parallel",
         data_parallel: int = 1,
         zero: int = 0,
+        reshard_after_forward: bool = False,
         tensor_parallel: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
         tensor_parallel_strict: bool = False,
@@ -119,7 +120,12 @@ class Client(Connection):
         stages do: 1, each replica keeps and steps only its 1/D of the optimizer state, the
         updated parameters then all-gathered; 2, the gradients are reduce-scattered too, each
         replica keeping its 1/D; 3, the parameters too, gathered at the start of every step
-        (the plan's GATHER action) and freed once the gradients are reduced. The plan's
+        (the plan's GATHER action) and freed once the gradients are reduced (RELEASE). With
+        ``reshard_after_forward=True`` (zero=3, as FSDP2's setting of that name) each stage is a
+        unit gathered before each of its forwards and backwards and freed after it, the next
+        compute's unit gathered while the current one runs: a rank then holds one or two units'
+        whole parameters at a time (cut a pure data-parallel job into units with
+        ``virtual_stages`` and ``schedule="interleaved_1f1b"``). The plan's
         ``predicted_memory[rank]["at_step"]`` is the model state at the optimizer step.
 
         ``tensor_parallel=T`` runs every stage sharded over an island of T workers (Megatron-LM):

@@ -56,12 +56,12 @@ class ActionSpec:
     """The simulator's default duration, in forwards of one stage and microbatch."""
     group: Literal["tied", "replicas"] | None = None
     """For collectives: whom it meets."""
-    memory: Literal["stash", "hold", "release", "observe", "gather", "reduce"] | None = None
+    memory: Literal["stash", "hold", "release", "observe", "gather", "reduce", "free"] | None = None
     """Its effect on the memory plan: a forward stashes activations, a backward releases them,
     an input-gradient backward holds what its weight-gradient half will read (the stash stays),
     a step is a point where memory is observed; under ZeRO-3 a gather makes the rank's whole
-    parameters resident (observed), and under ZeRO the replicas' reduction leaves each replica its
-    gradient shard (ZeRO-2/3) and frees the gathered parameters (ZeRO-3)."""
+    parameters (or a stage's) resident (observed), under ZeRO the replicas' reduction leaves each
+    replica its gradient shard (ZeRO-2/3), and a free drops gathered parameters (ZeRO-3)."""
 
     @property
     def value(self) -> str:
@@ -143,7 +143,12 @@ class Kind:
     GATHER_PARAMS = declare(
         "GATHER_PARAMS", "GATHER", "collective", per_step=True, forward_only=True, group="replicas", memory="gather"
     )
-    """ZeRO-3: all-gather the rank's parameter shards from the replicas, first in every step."""
+    """ZeRO-3: all-gather the rank's parameter shards from the replicas, first in every step (with
+    ``reshard_after_forward``: the stage's, before each compute that needs them and is not
+    preceded by the stage's own). It starts the gather; the compute that needs it waits."""
+    RELEASE_PARAMS = declare("RELEASE_PARAMS", "RELEASE", "local", per_step=True, forward_only=True, memory="free")
+    """ZeRO-3: free the gathered parameters (the rank's, after the reduction; with
+    ``reshard_after_forward``, the stage's after each compute not followed by the stage's own)."""
     STEP = declare("STEP", "STEP", "step", per_step=True, memory="observe")
 
 

@@ -109,6 +109,14 @@ class JobConfig:
     optimizer state kept in float32: each stage's forward (and the loss) runs under
     ``torch.autocast(dtype=torch.bfloat16)``, and every floating tensor crossing between stages
     travels in bfloat16 (half the bytes), upcast to the receiving stage's dtype on arrival."""
+    reshard_after_forward: bool = False
+    """With ``zero=3``, as FSDP2's setting of that name: each stage (model chunk) of a rank is a unit
+    of its own, gathered from the replicas' shards before each of its forwards and backwards and
+    freed after it, the next compute's unit gathered while the current one runs; its gradients are
+    reduce-scattered after its last backward. A rank then holds its shards, one or two units'
+    whole parameters and one unit's gradients at a time, instead of all of its parameters for the
+    whole step (runtime/worker/executor/zero.py). Units follow the stages: ``virtual_stages`` cuts
+    a pure data-parallel job (``stages=1``) into that many."""
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
@@ -169,6 +177,8 @@ class WorkerSettings:
     this one's (runtime/worker/interleave.py), as JobConfig.weight."""
     precision: str = "fp32"
     """JobConfig.precision: "bf16" runs the forward under autocast."""
+    reshard_after_forward: bool = False
+    """JobConfig.reshard_after_forward: ZeRO-3 gathers and frees each stage's parameters per compute."""
 
     @staticmethod
     def of(cfg: JobConfig) -> WorkerSettings:
@@ -181,6 +191,7 @@ class WorkerSettings:
             data_plane_timeout_s=cfg.data_plane_timeout_s,
             weight=cfg.weight,
             precision=cfg.precision,
+            reshard_after_forward=cfg.reshard_after_forward,
         )
 
     def to_pb(self) -> pb.WorkerSettings:

@@ -99,8 +99,8 @@ def restore(ex: PipelineExecutor, reader, cuts: dict) -> None:
                 if id(p) in sharded:  # loaded below, as this replica's shards
                     i = sharded[id(p)]
                     shape = ex.zero.shapes[i]
-                    zero_params[i] = local(f"param/{name}", name, shape, ex.zero.mine.dtype)
-                    zero_state[i] = optimizer_state(name, shape, ex.zero.mine.dtype)
+                    zero_params[i] = local(f"param/{name}", name, shape, ex.zero.dtype)
+                    zero_state[i] = optimizer_state(name, shape, ex.zero.dtype)
                     continue
                 p.copy_(local(f"param/{name}", name, p.shape, p.dtype))
                 state = optimizer_state(name, p.shape, p.dtype) if ex.optimizer is not None else {}

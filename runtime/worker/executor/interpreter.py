@@ -76,6 +76,7 @@ class PipelineExecutor:
         self.actions = actions
         self.rematerialize = settings.rematerialize
         self.autocast = settings.precision == "bf16"
+        self.reshard_after_forward = settings.reshard_after_forward
         """Mixed precision: stages compute under autocast to bfloat16 (atoll.core.precision)."""
         self.transport = transport
         self.replicas = None
@@ -104,11 +105,10 @@ class PipelineExecutor:
         self.params = [p for ps in self.stage_params.values() for p in ps]
         self.base = base
         # ZeRO: the parameters move into one flat buffer; this replica's optimizer steps its shard
-        self.zero = (
-            ZeroShard(self.params, replica, replicas, settings.optimizer, settings.optimizer_args, settings.zero)
-            if settings.zero and self.params
-            else None
-        )
+        self.zero = None
+        if settings.zero and self.params:
+            optimizer, args = settings.optimizer, settings.optimizer_args
+            self.zero = ZeroShard(self.params, replica, replicas, optimizer, args, settings.zero, self._units())
         # a stage without parameters (an activation, a reshape) has nothing to optimize
         if self.zero is not None:
             self.optimizer = self.zero.optimizer
@@ -132,16 +132,12 @@ class PipelineExecutor:
         self.slots = {k: v for k, v in buffers.items() if isinstance(k, int)}
         self.tied_buffers = {k[1:]: v[0] for k, v in buffers.items() if not isinstance(k, int)}
         self.recv_buffers = [t for key in sorted(buffers, key=str) for t in buffers[key]]
-        # storages counted in their own categories, never as stashed activations; not a ZeRO-3
-        # parameter's placeholder, which is freed at the first gather (its key could then name an
-        # activation's storage): the gathered buffer is excluded each step (update.gather_params)
+        # storages counted in their own categories, never as stashed activations (a ZeRO
+        # parameter's is its unit's flat buffer, one storage for the job's life, resized at stage 3)
         sharded = {id(p) for p in self.zero.params} if self.zero is not None else set()
-        kept = held if self.zero is None or self.zero.stage < 3 else [t for t in held if id(t) not in sharded]
-        self.not_activations = {storage_key(t) for t in kept} | {storage_key(t) for t in self.recv_buffers}
+        self.not_activations = {storage_key(t) for t in held} | {storage_key(t) for t in self.recv_buffers}
         self.unsharded_parameter_bytes = storage_bytes(p for p in held if id(p) not in base | sharded)
         """The parameters held whole and for good: all but a base's and those ZeRO lays out."""
-        self.gathered_key = 0
-        """ZeRO-3: the storage of the parameters gathered for the current step (update.gather_params)."""
         self.saved_bytes: dict[tuple, int] = {}
         """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
@@ -155,6 +151,17 @@ class PipelineExecutor:
         """Per action of the list: its span name, profiler range, span category and handler."""
         self.history = History()
         """The spans of the last steps (atoll.core.spans), read by the controller's timelines."""
+
+    def _units(self) -> dict[int, list[int]] | None:
+        """ZeRO with ``reshard_after_forward``: each stage's trainable parameters are a unit (their
+        positions in ``self.params``); else one unit of all."""
+        if not self.reshard_after_forward:
+            return None
+        units, start = {}, 0
+        for s, params in self.stage_params.items():
+            units[s] = list(range(start, start + len(params)))
+            start += len(params)
+        return units
 
     # ------------------------------------------------------------------ load time
 
@@ -275,6 +282,8 @@ class PipelineExecutor:
         state.meter.observe(snap, len(state.stash), step)
 
     def _run(self, run, action: Action, state: StepState) -> None:
+        if self.zero is not None and action.is_compute:
+            update.wait_gathered(self, action, state)
         if self.island is None or not action.is_compute:
             run(self, action, state)
             return

@@ -1,5 +1,5 @@
 """Handlers of the data-parallel replicas' collectives and of the optimizer step: ZeRO-3's gather
-of the parameters (first in a step), the gradient average and the step (plain, or ZeRO's sharded
+and release of the parameters, the gradient average and the step (plain, or ZeRO's sharded
 one; runtime/worker/executor/zero.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from atoll.core.actions import Action, Kind
-from atoll.core.memory import storage_bytes, storage_key
+from atoll.core.memory import storage_bytes
 from atoll.worker.executor.handlers import handles
 from atoll.worker.executor.step import ActionFailed, StepState
 
@@ -20,16 +20,31 @@ if TYPE_CHECKING:
 
 @handles(Kind.GATHER_PARAMS)
 def gather_params(ex: PipelineExecutor, action: Action, state: StepState) -> None:
-    """ZeRO-3: the whole parameters from the replicas' shards, held until the gradients are reduced."""
-    if ex.zero is None or ex.replicas is None:
+    """ZeRO-3: start gathering the whole parameters of the action's unit from the replicas'
+    shards; the first compute on them waits for it (``wait_gathered``)."""
+    if ex.replicas is None:
         raise ActionFailed(f"rank {ex.rank}: GATHER_PARAMS without ZeRO-3 replicas")
-    started = time.perf_counter()
-    state.all_reduced_bytes += ex.zero.gather(ex.replicas, ex.timeout_s)
-    # the gathered buffer is parameters, never a stashed activation (a new storage each step)
-    ex.not_activations.discard(ex.gathered_key)
-    ex.gathered_key = storage_key(ex.zero.flat)
-    ex.not_activations.add(ex.gathered_key)
-    state.waiting_s += time.perf_counter() - started
+    unit = ex.zero.unit(action.stage) if ex.zero is not None else None
+    if unit is not None:  # a rank or stage without trainable parameters has nothing to gather
+        state.all_reduced_bytes += unit.start_gather(ex.replicas)
+
+
+@handles(Kind.RELEASE_PARAMS)
+def release_params(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    """ZeRO-3: free the gathered parameters of the action's unit."""
+    unit = ex.zero.unit(action.stage) if ex.zero is not None else None
+    if unit is not None and unit.gathered:
+        wait_gathered(ex, action, state)  # a gather no compute waited for (a backward an evaluation skips)
+        unit.release()
+
+
+def wait_gathered(ex: PipelineExecutor, action: Action, state: StepState) -> None:
+    """Before a compute (or a release): its unit's gather, if one is in flight, has arrived."""
+    unit = ex.zero.unit(action.stage)
+    if unit is not None and unit.pending is not None:
+        started = time.perf_counter()
+        unit.wait_gathered(ex.timeout_s)
+        state.waiting_s += time.perf_counter() - started
 
 
 @handles(Kind.ALL_REDUCE_GRAD)
@@ -40,7 +55,7 @@ def all_reduce_grads(ex: PipelineExecutor, action: Action, state: StepState) -> 
         raise ActionFailed(f"rank {ex.rank}: ALL_REDUCE_GRAD without a replica group")
     started = time.perf_counter()
     if ex.zero is not None:
-        state.all_reduced_bytes += ex.zero.reduce(ex.replicas, ex.timeout_s)
+        state.all_reduced_bytes += ex.zero.reduce(ex.replicas, ex.timeout_s, action.stage)
     else:
         state.all_reduced_bytes += ex.buckets.finish()  # most went out during the backward
     state.waiting_s += time.perf_counter() - started
