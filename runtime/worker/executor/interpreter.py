@@ -76,8 +76,9 @@ class PipelineExecutor:
         self.actions = actions
         self.rematerialize = settings.rematerialize
         self.autocast = settings.precision == "bf16"
-        self.reshard_after_forward = settings.reshard_after_forward
         """Mixed precision: stages compute under autocast to bfloat16 (atoll.core.precision)."""
+        self.reshard_after_forward = settings.reshard_after_forward
+        """ZeRO-3: each stage's parameters are a unit of their own, gathered per compute."""
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
