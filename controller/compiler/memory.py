@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from atoll.controller.compiler.lowering import Lowered
 from atoll.controller.compiler.program import fake_inputs, fake_mode
@@ -90,8 +89,7 @@ def measure_stage(
             out = graph.forward(inputs)
             outputs = flatten(out)
             if loss is not None:
-                args, kwargs = pytree.tree_unflatten(outputs + fake_inputs(target_spec, device), loss.in_spec)
-                outputs = [loss.module(*args, **kwargs)]
+                outputs = list(loss.call_flat(outputs + fake_inputs(target_spec, device)))
             elif autocast and output_spec is not None:
                 outputs = as_specified(outputs, output_spec)
         counter.add(outputs)

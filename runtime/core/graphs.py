@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.graph_module import _forward_from_src
 
 from atoll.core import collectives  # noqa: F401 (registers the island ops that sharded stage graphs call)
 from atoll.errors import InvalidInput
@@ -165,10 +166,27 @@ class BlockGraph:
         self.module = ep.module(check_guards=False)
         self.module.validate_inputs = False
         self.in_spec = ep.call_spec.in_spec
+        self._flat_forward = _flat_forward(self.module)
 
-    def call_flat(self, leaves: Sequence[torch.Tensor]):
-        args, kwargs = pytree.tree_unflatten(list(leaves), self.in_spec)
-        return self.module(*args, **kwargs)
+    def call_flat(self, leaves: Sequence[torch.Tensor]) -> tuple:
+        """The program on its flat inputs (in ``in_spec``'s order): its flat outputs."""
+        return self._flat_forward(self.module, *leaves)
+
+
+def _flat_forward(module: torch.fx.GraphModule):
+    """``module``'s forward from its flat inputs to its flat outputs: the exported module's own code
+    without the pytree unflatten of the arguments and flatten of the results around it (and
+    nn.Module's call machinery), which callers holding flat tensors would undo again; about a
+    fifth of a tiny stage's forward. The module's attributes are read at every call, as its own
+    forward reads them, so parameters replaced or resized in place are seen."""
+    graph = module.graph
+    pytree_codegen = graph._codegen
+    graph._codegen = torch.fx.graph.CodeGen()  # fx's plain code: placeholders in, output tuple out
+    try:
+        code = graph.python_code(root_module="self")
+    finally:
+        graph._codegen = pytree_codegen
+    return _forward_from_src(code.src, code.globals)
 
 
 class StageGraph:

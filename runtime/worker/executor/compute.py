@@ -7,11 +7,9 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-import torch.utils._pytree as pytree
 
 from atoll.core import split_backward
 from atoll.core.actions import Action, Kind
-from atoll.core.graphs import flatten
 from atoll.core.memory import SavedTensors, storage_key
 from atoll.core.precision import as_specified, mixed_precision
 from atoll.worker.executor.handlers import handles
@@ -83,12 +81,10 @@ def _counted(ex: PipelineExecutor, s: int, m: int, inputs: list[torch.Tensor], s
 
 def _run_stage(ex: PipelineExecutor, s: int, m: int, inputs: list[torch.Tensor], state: StepState):
     with mixed_precision(ex.autocast, ex.device):
-        out = ex.stages[s].graph.forward(inputs)
+        out = list(ex.stages[s].graph.forward(inputs))  # flat, as the plan's output spec (checked at compile)
         if s != ex.last_stage or state.mode == "forward":
-            return as_specified(flatten(out), ex.stages[s].output) if ex.autocast else flatten(out)
-        leaves = flatten(out) + list(state.target_mbs[m])
-        args, kwargs = pytree.tree_unflatten(leaves, ex.loss.in_spec)
-        return [ex.loss.module(*args, **kwargs)]
+            return as_specified(out, ex.stages[s].output) if ex.autocast else out
+        return list(ex.loss.call_flat(out + list(state.target_mbs[m])))
 
 
 @handles(Kind.FORWARD)
