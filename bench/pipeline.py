@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
 
 import atoll  # noqa: E402
-from atoll.client.local import daemon_malloc_tunables  # noqa: E402
+from atoll.cli.malloc import daemon_malloc_tunables  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 

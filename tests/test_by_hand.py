@@ -1,6 +1,7 @@
 """The by-hand workflow: `atoll controller`, two `atoll worker`s and a client script, each its own
 process, train a 2-stage model; `atoll status` lists the workers and the job."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from atoll.cli.malloc import DAEMON_MALLOC
 from atoll.client.local import stop_processes as stop
 from tests.procs import live_workers, wait_for_file
 
@@ -57,6 +59,7 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
             stdout=logs[0],
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
         )
     )
     address = wait_for_file(tmp_path / "c.ready", daemons[0])
@@ -80,10 +83,17 @@ def test_controller_two_workers_and_a_client_script(tmp_path, daemons):
                 stdout=logs[1 + i],
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
+                env={**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"} if i else None,
             )
         )
     for i in range(2):
         wait_for_file(tmp_path / f"w{i}.ready", daemons[1 + i])
+    # each daemon re-executed itself once (same PID) with the daemons' malloc settings, a setting
+    # the caller chose kept (ld.so cuts GLIBC_TUNABLES at its colons in place: read each alone)
+    for p in daemons:
+        environ = Path(f"/proc/{p.pid}/environ").read_bytes()
+        assert all(f"{name}=".encode() in environ for name in DAEMON_MALLOC), (p.args, environ)
+    assert b"glibc.malloc.hugetlb=0" in Path(f"/proc/{daemons[2].pid}/environ").read_bytes()
 
     client = subprocess.run(
         [sys.executable, "-c", CLIENT_SCRIPT, address, str(token)],

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import atoll
-from atoll.client.local import DAEMON_MALLOC, daemon_malloc_tunables
+from atoll.cli.malloc import DAEMON_MALLOC, daemon_malloc_tunables, has_daemon_malloc
 from atoll.net.chunked import available_bytes
 from atoll.net.rpc import MAX_MESSAGE_BYTES
 
@@ -68,3 +68,7 @@ def test_daemons_take_the_malloc_settings_unless_the_caller_chose():
     assert daemon_malloc_tunables("glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2") == (
         "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2"
     )
+    # a daemon started by hand re-executes itself only while a setting is missing (atoll.cli.malloc)
+    assert not has_daemon_malloc({}) and not has_daemon_malloc({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert has_daemon_malloc({"GLIBC_TUNABLES": both})
+    assert has_daemon_malloc({"GLIBC_TUNABLES": "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=0"})

@@ -17,6 +17,7 @@ import time
 import traceback
 
 from atoll.cli.daemons import DAEMONS, interrupt_while_starting
+from atoll.cli.malloc import exec_with_daemon_malloc
 from atoll.cli.parser import build_parser, controller_address
 from atoll.core.names import SCHEDULES as SCHEDULES  # atoll.cli.commands.SCHEDULES, as it always was
 
@@ -97,10 +98,12 @@ def _one_line(error: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    daemon = args.command in DAEMONS
+    if daemon and argv is None:  # a daemon started from a shell: with its malloc settings, once
+        exec_with_daemon_malloc(sys.argv[1:])
     from atoll.net import log as _log
 
     _log.configure(args.log_level)
-    daemon = args.command in DAEMONS
     if daemon:  # stopping while starting up: see serve_until_stopped
         interrupt_while_starting()
     code = 0

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from atoll.cli.malloc import daemon_malloc_tunables
 from atoll.client.client import Client, connect
 from atoll.client.cuda_mps import CudaMps
 from atoll.client.zygote import ForkedProcess, Zygote
@@ -30,27 +31,6 @@ def stop_processes(procs: list[subprocess.Popen | ForkedProcess], timeout_s: flo
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
-
-
-DAEMON_MALLOC = {"glibc.malloc.hugetlb": "1", "glibc.malloc.arena_max": "2"}
-"""glibc malloc settings for the daemons (glibc 2.35 and later; older ones ignore them), measured on
-this project's 2-core VM, where a first touch of fresh memory is costly:
-
-- ``hugetlb=1``: large blocks in transparent huge pages. A daemon copies a model's weights several
-  times on their way to the workers: submitting a 1.2 GB model took 56-68 s, 80% of the controller's
-  CPU in the kernel zeroing new 4 KiB pages; 43-51 s with this alone.
-- ``arena_max=2``: a daemon's threads (gRPC's pool, the executor, the heartbeat) share two malloc
-  arenas (glibc's default allows eight per core): a ZeRO-3 worker's peak RSS growth over training
-  (bench/zero.py, 4 workers) averaged 44.3 MiB without it (two runs, 40-54 MiB) and 40.3 MiB with
-  it (four runs, 34-49 MiB), FSDP2's ranks under the same settings 42.7 MiB (40-45); steps/s unchanged.
-"""
-
-
-def daemon_malloc_tunables(tunables: str) -> str:
-    """``GLIBC_TUNABLES`` with ``DAEMON_MALLOC`` added; a tunable the caller set keeps its value."""
-    given = [t for t in tunables.split(":") if t]
-    named = {t.partition("=")[0] for t in given}
-    return ":".join(given + [f"{k}={v}" for k, v in DAEMON_MALLOC.items() if k not in named])
 
 
 class LocalCluster:
