@@ -165,11 +165,10 @@ class BlockGraph:
         # checks would repeat that on every microbatch, at about a tenth of a small stage's time.
         self.module = ep.module(check_guards=False)
         self.module.validate_inputs = False
-        self.in_spec = ep.call_spec.in_spec
         self._flat_forward = _flat_forward(self.module)
 
     def call_flat(self, leaves: Sequence[torch.Tensor]) -> tuple:
-        """The program on its flat inputs (in ``in_spec``'s order): its flat outputs."""
+        """The program on its flat inputs (the exported program's placeholders, in order): its flat outputs."""
         return self._flat_forward(self.module, *leaves)
 
 
