@@ -72,17 +72,27 @@ def _train(client, model, batches, loss_fn, reshard: bool, **layout):
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(
-    "layout",
-    [{}, {"stages": 2, "virtual_stages": 2}, {"virtual_stages": 2, "tensor_parallel": 2}],
-    ids=["dp2-4units", "pp2xdp2-2units", "tp2xdp2-2units"],
+    "family, layout",
+    [
+        ("gpt", {}),
+        ("gpt", {"stages": 2, "virtual_stages": 2}),
+        ("gpt", {"virtual_stages": 2, "tensor_parallel": 2}),
+        ("hf-gpt2", {}),
+    ],
+    ids=["dp2-4units", "pp2xdp2-2units", "tp2xdp2-2units", "hf-gpt2-dp2-4units"],
 )
-def test_per_unit_gathers_match_single_process_and_their_memory_plan(client4, layout):
-    """The tensor-parallel layout (each island rank's shard of a unit sharded again over the
-    replicas) runs in float64 only, losses and weights; the others in float32 first, losses."""
-    model, batches, loss_fn = models.transformer()
+def test_per_unit_gathers_match_single_process_and_their_memory_plan(client4, family, layout):
+    """The in-repo GPT in float32 (losses), then in float64 (losses and weights). Hugging Face's
+    GPT-2 ties its embedding (first unit) to its LM head (last unit): the copies' gradients are
+    summed before the units reduce-scatter (float64 only, as the tensor-parallel layout, where each
+    island rank's shard of a unit is sharded again over the replicas)."""
+    if family == "gpt":
+        model, batches, loss_fn = models.transformer()
+    else:
+        (model, batches), loss_fn = models.hf_gpt2(pytest.importorskip("transformers")), models.lm_loss
     batches = batches[:STEPS]
     island = layout.get("tensor_parallel", 1)
-    if island == 1:
+    if island == 1 and family == "gpt":
         job, results, _ = _train(client4, model, batches, loss_fn, True, **layout)
         ref_losses, _ = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
         assert_losses_match([r.loss for r in results], ref_losses)
@@ -92,7 +102,10 @@ def test_per_unit_gathers_match_single_process_and_their_memory_plan(client4, la
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)
     _check_plan(job, results, layout.get("stages", 1), island=island)
-    _assert_every_compute_has_its_unit(job.plan.report["actions"]["0"])
+    actions = job.plan.report["actions"]["0"]
+    _assert_every_compute_has_its_unit(actions)
+    if family == "hf-gpt2":  # the tied copies summed before any unit's reduce-scatter
+        assert actions.index("0REDUCE_GRAD") < min(i for i, a in enumerate(actions) if a.endswith("ALL_REDUCE_GRAD"))
 
 
 @pytest.mark.cluster
