@@ -192,6 +192,12 @@ def predict_rank(
     stages_with_grads: set[int] = set()
     reduced: dict[int, int] = {}  # unit -> its gradient bytes once the replicas' reduction has run
     gathered: set[int] = set()  # ZeRO-3: the units whose whole parameters are held
+    in_flight: set[int] = set()  # ZeRO-2/3: the unit whose reduce-scatter runs, its packed buffer held
+
+    def land():  # the reduce-scatter in flight is waited for: its packed buffer is freed
+        for u in in_flight:
+            reduced[u] = zero.bytes[u].shard
+        in_flight.clear()
 
     def observe(step: bool = False):
         nonlocal peak, peak_stashed, at_step
@@ -239,9 +245,16 @@ def predict_rank(
             parameters -= zero.bytes[unit].flat
             gathered.discard(unit)
         elif a.kind.memory == "reduce" and unit is not None:
+            land()  # one in flight at a time (runtime/worker/executor/zero.py)
             layout = zero.bytes[unit]
-            reduced[unit] = layout.flat if layout.stage == 1 else layout.shard  # ZeRO-1 keeps the whole average
+            if layout.stage == 1:  # an all-reduce, waited for: each replica keeps the whole average
+                reduced[unit] = layout.flat
+            else:  # its shard, and the packed gradients until the reduce-scatter lands
+                reduced[unit] = layout.shard + layout.flat
+                in_flight.add(unit)
         elif a.kind.memory == "observe":
+            if a.kind.category == "step":  # the step waits for the reductions first
+                land()
             observe(step=a.kind.category == "step")
     return RankMemory(peak, peak_stashed, at_step)
 

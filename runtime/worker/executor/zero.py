@@ -11,7 +11,9 @@ under ZeRO-3 with ``reshard_after_forward``, one unit per stage it runs.
   At the end of the backward the gradients are packed into one flat buffer (each gradient then a
   view of it) and all-reduced; the optimizer steps shard ``d``, and the shards are all-gathered back.
 - Stage 2: as stage 1, but the packed gradients are reduce-scattered: each replica keeps only its
-  shard's average, and the full gradients are freed before the optimizer step.
+  shard's average, and the full gradients are freed before the optimizer step. The reduce-scatter
+  runs while the next compute does: it is waited for when the next unit's starts (one in flight at
+  a time, its packed buffer counted as gradients until then) or at the step.
 - Stage 3: a replica holds only its shards of the parameters. ``start_gather`` (the plan's
   GATHER_PARAMS action) all-gathers a unit's flat buffer, ``release`` (RELEASE_PARAMS) frees it,
   and a compute waits for its unit's gather (``wait_gathered``): the lowering places the gather of
@@ -64,6 +66,8 @@ class ZeroUnit:
         self.gathered = True
         self.pending = None
         """The handle of a gather started and not yet waited for."""
+        self.reducing = None
+        """Stages 2 and 3: (handle, packed gradients) of a reduce-scatter started and not yet waited for."""
         if stage == 3:
             self.release()
 
@@ -76,7 +80,9 @@ class ZeroUnit:
 
     @property
     def gradient_bytes(self) -> int:
-        return storage_bytes([*(p.grad for p in self.params), self.mine.grad])
+        """Its gradients, its shard's average and, while a reduce-scatter is in flight, the packed buffer."""
+        in_flight = [self.reducing[1]] if self.reducing is not None else []
+        return storage_bytes([*(p.grad for p in self.params), self.mine.grad, *in_flight])
 
     def start_gather(self, group) -> int:
         """Stage 3: start gathering every replica's shard into the flat buffer; returns the bytes
@@ -103,8 +109,8 @@ class ZeroUnit:
 
     def reduce(self, group, timeout_s: float) -> int:
         """Average the gradients across the replicas (stage 1: all of them, each replica keeping
-        the whole average; stages 2 and 3: each replica receiving its shard's); returns the bytes
-        of the packed gradient buffer."""
+        the whole average; stages 2 and 3: each replica receiving its shard's, the reduce-scatter
+        left in flight for ``finish_reduce``); returns the bytes of the packed gradient buffer."""
         grad = torch.zeros(self.flat.shape, dtype=self.flat.dtype, device=self.flat.device)
         for p, (offset, n) in zip(self.params, self.spans):
             if p.grad is not None:  # a parameter without a gradient reduces as zeros
@@ -118,10 +124,17 @@ class ZeroUnit:
         else:
             own = torch.empty(self.shard, dtype=grad.dtype, device=grad.device)
             pieces = [self.piece(grad, d) for d in range(self.replicas)]
-            group.reduce_scatter(own, pieces).wait(timeout_s)
-            own.div_(self.replicas)
+            self.reducing = (group.reduce_scatter(own, pieces), grad)
         self.mine.grad = own
         return grad.nbytes
+
+    def finish_reduce(self, timeout_s: float) -> None:
+        """Stages 2 and 3: wait for the reduce-scatter ``reduce`` started, and average the shard."""
+        if self.reducing is not None:
+            handle, _ = self.reducing
+            handle.wait(timeout_s)
+            self.mine.grad.div_(self.replicas)
+            self.reducing = None
 
     def share_step(self, group, timeout_s: float) -> None:
         """Below stage 3, after the optimizer stepped the shard: every replica's into the buffer."""
@@ -214,13 +227,20 @@ class ZeroShard:
 
     def reduce(self, group, timeout_s: float, stage: int | None = None) -> int:
         """Average the gradients over the replicas, of ``stage``'s unit (None: every unit)."""
+        # one reduce-scatter in flight at a time (FSDP2's too): the previous one's buffer is freed
+        # before the next is packed, and it ran while this unit's backward did
+        for u in self.units:
+            u.finish_reduce(timeout_s)
         if stage is None or not self.unit_of:
             return sum(u.reduce(group, timeout_s) for u in self.units)
         unit = self.unit_of.get(stage)
         return unit.reduce(group, timeout_s) if unit is not None else 0
 
     def step(self, group, timeout_s: float) -> None:
-        """Step this replica's shards; below stage 3, gather every replica's shards into the buffers."""
+        """Step this replica's shards (their reductions waited for first); below stage 3, gather every
+        replica's shards into the buffers."""
+        for u in self.units:
+            u.finish_reduce(timeout_s)
         self.optimizer.step()
         if self.stage < 3:  # at stage 3 the next gather reads the stepped shards
             for u in self.units:
@@ -265,6 +285,7 @@ class ZeroShard:
         """Drop the step's gradients and, at stage 3, parameters still gathered (an evaluation or
         forward step, which reduces nothing, or a step that failed before its reduction)."""
         for u in self.units:
+            u.reducing = None  # a failed step's: gloo's work holds its tensors while it runs
             u.mine.grad = None
             for p in u.params:
                 p.grad = None
