@@ -11,6 +11,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from atoll.errors import ControllerUnavailable
+
 
 def children_map() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
@@ -65,10 +67,17 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -
 
 def live_workers(client, count: int, timeout_s: float = 30.0) -> dict[str, int]:
     """id -> pid of the live workers once ``count`` are (status asked again until then); every
-    listed worker id appears once."""
+    listed worker id appears once. Right after a controller restarts, a client's channel may still
+    be waiting out its reconnect backoff (up to 2 s, atoll.net.rpc) and fail a call at once: asked
+    again too, until the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        listed = client.status().workers
+        try:
+            listed = client.status().workers
+        except ControllerUnavailable:
+            assert time.monotonic() < deadline, "the controller stayed unreachable"
+            time.sleep(0.2)
+            continue
         live = {w.worker_id: w.pid for w in listed if w.alive}
         if len(live) == count:
             assert len({w.worker_id for w in listed}) == len(listed), listed

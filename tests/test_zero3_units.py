@@ -82,17 +82,17 @@ def _train(client, model, batches, loss_fn, reshard: bool, **layout):
     ids=["dp2-4units", "pp2xdp2-2units", "tp2xdp2-2units", "hf-gpt2-dp2-4units"],
 )
 def test_per_unit_gathers_match_single_process_and_their_memory_plan(client4, family, layout):
-    """The in-repo GPT in float32 (losses), then in float64 (losses and weights). Hugging Face's
-    GPT-2 ties its embedding (first unit) to its LM head (last unit): the copies' gradients are
-    summed before the units reduce-scatter (float64 only, as the tensor-parallel layout, where each
-    island rank's shard of a unit is sharded again over the replicas)."""
+    """Each layout in float64 (losses and every weight), the first also in float32 (losses). In the
+    tensor-parallel layout each island rank's shard of a unit is sharded again over the replicas;
+    Hugging Face's GPT-2 ties its embedding (first unit) to its LM head (last unit): the copies'
+    gradients are summed before the units reduce-scatter."""
     if family == "gpt":
         model, batches, loss_fn = models.transformer()
     else:
         (model, batches), loss_fn = models.hf_gpt2(pytest.importorskip("transformers")), models.lm_loss
     batches = batches[:STEPS]
     island = layout.get("tensor_parallel", 1)
-    if island == 1 and family == "gpt":
+    if not layout and family == "gpt":
         job, results, _ = _train(client4, model, batches, loss_fn, True, **layout)
         ref_losses, _ = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
         assert_losses_match([r.loss for r in results], ref_losses)
