@@ -97,8 +97,8 @@ class ZeroUnit:
 
     def wait_gathered(self, timeout_s: float) -> None:
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait(timeout_s)
+            self.pending.wait(timeout_s)
+            self.pending = None  # only once it arrived: a gather that timed out may still write here
 
     def release(self) -> None:
         """Stage 3: free the flat buffer's storage; the parameters keep their shapes, no bytes."""
