@@ -45,8 +45,8 @@ def predict_rank(
     island: dict[int, tuple[int, int, int]] | None = None,
     unit_params: dict[int, list[torch.Tensor]] | None = None,
 ) -> dict[str, int]:
-    """``params``: the rank's trainable parameters, which its replicas' collectives move; or, where
-    ``unit_params`` names a stage (ZeRO-3 with ``reshard_after_forward``), those of its unit."""
+    """``params``: the rank's trainable parameters, which its replicas' collectives move; under ZeRO,
+    ``unit_params``: per stage, those of its unit (ZeroLayout.unit_params)."""
     sent = received = all_reduced = island_reduced = 0
     last = routes.flow.num_stages - 1
     island = island or {}

@@ -164,6 +164,14 @@ class ZeroLayout:
             return {stages[0]: list(stages)}
         return {s: [s] for s in stages if stage_params[s]}
 
+    def unit_params(self, stages: Sequence[int], stage_params: dict[int, list[torch.Tensor]]) -> dict[int, list]:
+        """Stage -> the parameters of its unit (what its replica collectives move)."""
+        return {
+            s: [p for t in members for p in stage_params[t]]
+            for members in self.units(stages, stage_params).values()
+            for s in members
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class ZeroUnits:

@@ -248,10 +248,8 @@ def count_communication(st: CompileState) -> None:
     """Adds the bytes each rank moves in one step (controller/compiler/communication.py)."""
     cfg, topo = st.config, st.topology
     island = communication_plan.island_bytes(st.shardings, cfg.rematerialize)
-    zero = _zero_layout(cfg)
-    units = {}
-    if zero is not None and zero.per_stage:  # each stage's replica collectives move its own unit
-        units = {r: {s: st.stage_params[s] for s in topo.stages_of(r)} for r in range(topo.ranks)}
+    zero = _zero_layout(cfg)  # under ZeRO each replica collective moves its stage's unit
+    units = {r: zero.unit_params(topo.stages_of(r), st.stage_params) for r in range(topo.ranks)} if zero else {}
     st.communication = {
         r: communication_plan.predict_rank(
             st.lowered.actions[r],

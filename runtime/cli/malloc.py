@@ -23,18 +23,22 @@ this project's 2-core VM, where a first touch of fresh memory is costly:
 """
 
 
+def _missing(tunables: str) -> dict[str, str]:
+    """The ``DAEMON_MALLOC`` settings ``tunables`` does not name (a value the caller gave wins)."""
+    named = {t.partition("=")[0] for t in tunables.split(":")}
+    return {k: v for k, v in DAEMON_MALLOC.items() if k not in named}
+
+
 def daemon_malloc_tunables(tunables: str) -> str:
     """``GLIBC_TUNABLES`` with ``DAEMON_MALLOC`` added; a tunable the caller set keeps its value."""
     given = [t for t in tunables.split(":") if t]
-    named = {t.partition("=")[0] for t in given}
-    return ":".join(given + [f"{k}={v}" for k, v in DAEMON_MALLOC.items() if k not in named])
+    return ":".join(given + [f"{k}={v}" for k, v in _missing(tunables).items()])
 
 
 def has_daemon_malloc(environ) -> bool:
     """Whether ``environ`` carries every ``DAEMON_MALLOC`` setting (the caller's own value of one
     counts: it wins)."""
-    given = {t.partition("=")[0] for t in environ.get("GLIBC_TUNABLES", "").split(":")}
-    return all(name in given for name in DAEMON_MALLOC)
+    return not _missing(environ.get("GLIBC_TUNABLES", ""))
 
 
 def exec_with_daemon_malloc(argv: list[str]) -> None:

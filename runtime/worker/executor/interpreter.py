@@ -77,8 +77,6 @@ class PipelineExecutor:
         self.rematerialize = settings.rematerialize
         self.autocast = settings.precision == "bf16"
         """Mixed precision: stages compute under autocast to bfloat16 (atoll.core.precision)."""
-        self.reshard_after_forward = settings.reshard_after_forward
-        """ZeRO-3: each stage's parameters are a unit of their own, gathered per compute."""
         self.transport = transport
         self.replicas = None
         """This rank's gloo group across the data-parallel replicas (ALL_REDUCE_GRAD), if any."""
@@ -109,7 +107,8 @@ class PipelineExecutor:
         self.zero = None
         if settings.zero and self.params:
             optimizer, args = settings.optimizer, settings.optimizer_args
-            self.zero = ZeroShard(self.params, replica, replicas, optimizer, args, settings.zero, self._units())
+            units = self._units() if settings.reshard_after_forward else None
+            self.zero = ZeroShard(self.params, replica, replicas, optimizer, args, settings.zero, units)
         # a stage without parameters (an activation, a reshape) has nothing to optimize
         if self.zero is not None:
             self.optimizer = self.zero.optimizer
@@ -153,11 +152,9 @@ class PipelineExecutor:
         self.history = History()
         """The spans of the last steps (atoll.core.spans), read by the controller's timelines."""
 
-    def _units(self) -> dict[int, list[int]] | None:
-        """ZeRO with ``reshard_after_forward``: each stage's trainable parameters are a unit (their
-        positions in ``self.params``); else one unit of all."""
-        if not self.reshard_after_forward:
-            return None
+    def _units(self) -> dict[int, list[int]]:
+        """ZeRO-3 with ``reshard_after_forward``: each stage's trainable parameters are a unit (their
+        positions in ``self.params``)."""
         units, start = {}, 0
         for s, params in self.stage_params.items():
             units[s] = list(range(start, start + len(params)))
