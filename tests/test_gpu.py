@@ -21,6 +21,7 @@ import atoll
 from examples.gpt import lm_loss
 from tests import models
 from tests.reference import assert_matches_reference, relative_error, train_reference
+from tests.test_zero import _check_plan
 
 pytestmark = [
     pytest.mark.cluster,
@@ -74,9 +75,9 @@ def train_atoll(client, model, batches, **kwargs):
         job.close()
 
 
-def reference_cuda(model, batches, optimizer: str, args: dict):
+def reference_cuda(model, batches, optimizer: str, args: dict, microbatches: int = MICROBATCHES, loss_fn=lm_loss):
     cuda_batches = [(x.cuda(), y.cuda()) for x, y in batches]
-    losses, state = train_reference(copy.deepcopy(model).cuda(), cuda_batches, lm_loss, MICROBATCHES, optimizer, args)
+    losses, state = train_reference(copy.deepcopy(model).cuda(), cuda_batches, loss_fn, microbatches, optimizer, args)
     return losses, {k: v.cpu() for k, v in state.items()}
 
 
@@ -158,6 +159,41 @@ def test_gloo_forced_between_gpu_workers_stages_through_pinned_memory(gpu_client
     assert [e["transport"] for e in plan.report["edges"]] == ["gloo"] * (RANKS - 1)
     ref_losses, ref_state = reference_cuda(model, batches, "sgd", args)
     assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"stages": 2, "data_parallel": 2, "schedule": "1f1b"},
+        {"stages": 1, "data_parallel": 4, "zero": 2},
+        {
+            "stages": 1, "virtual_stages": 2, "schedule": "interleaved_1f1b", "tensor_parallel": 2,
+            "data_parallel": 2, "zero": 3, "reshard_after_forward": True,
+        },
+    ],
+    ids=["pp2xdp2", "zero2-dp4", "zero3-units-tp2xdp2"],
+)  # fmt: skip
+def test_collectives_between_workers_on_one_gpu_match_single_process_cuda(gpu_client, layout):
+    """Data-parallel gradients, ZeRO's reduce-scatters and gathers and a tensor-parallel island's
+    collectives between CUDA workers on one GPU (NCCL cannot pair them): through the job's gloo
+    group, staged through pinned host memory, against one CUDA process."""
+    model, batches, loss_fn = models.transformer()
+    replicas, microbatches = layout["data_parallel"], 2
+    x, y = batches[0]
+    job = gpu_client.pipeline(
+        model, example_input=x, example_target=y, loss_fn=loss_fn, microbatches=microbatches, device="cuda",
+        optimizer="adamw", optimizer_args=ADAMW, **layout,
+    )  # fmt: skip
+    try:
+        results = [job.step_async(xb, yb).details() for xb, yb in batches]
+        state = job.state_dict()
+    finally:
+        job.close()
+    losses = [r.loss for r in results]
+    ref_losses, ref_state = reference_cuda(model, batches, "adamw", ADAMW, replicas * microbatches, loss_fn)
+    report("collectives", layout=layout, losses=losses, reference=ref_losses)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+    _check_plan(job, results, layout["stages"], replicas, layout.get("tensor_parallel", 1))
 
 
 @pytest.mark.parametrize("ordering", ["flags", "events"])

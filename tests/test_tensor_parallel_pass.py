@@ -146,10 +146,11 @@ def test_sharded_programs_match_the_whole_model(make, ranks, sequence):
 
     def run(t):
         graph, loss_graph = programs[t]
-        with collectives.bind(island.member(t)):
+        member = island.member(t)
+        with collectives.bind(member):
             (loss,) = loss_graph.call_flat([*graph.call_flat([x]), y])  # flat outputs: the loss alone
             loss.backward()
-            moved = collectives.take_counted_bytes()
+            moved = collectives.take_counted_bytes(member)
         results[t] = (loss.item(), dict(graph.module.named_parameters()), moved)
 
     threads = [threading.Thread(target=run, args=(t,)) for t in range(ranks)]

@@ -29,10 +29,6 @@ def check_config(cfg: JobConfig) -> None:
             "reshard_after_forward frees ZeRO-3's gathered parameters after each compute: "
             f"needs zero=3, got zero={cfg.zero}"
         )
-    if cfg.data_parallel > 1 and cfg.device != "cpu":
-        raise InvalidInput("data parallelism runs on CPU workers only (not built for CUDA yet)")
-    if cfg.tensor_parallel > 1 and cfg.device != "cpu":
-        raise InvalidInput("tensor parallelism runs on CPU workers only (not built for CUDA yet)")
     if cfg.tensor_parallel_plan and cfg.tensor_parallel == 1:
         raise InvalidInput("tensor_parallel_plan names how to shard modules: it needs tensor_parallel > 1")
     if cfg.sequence_parallel and cfg.tensor_parallel == 1:

@@ -44,16 +44,16 @@ class IslandGroup(Protocol):
 
 class _Binding(threading.local):
     group: IslandGroup | None = None
-    counted: int = 0
 
 
 _binding = _Binding()
+_counted: dict[int, int] = {}  # id(group) -> bytes put into its collectives since the last take
+_counted_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def bind(group: IslandGroup):
-    """Run a stage's forward or backward on this thread with ``group`` as its island. (On CPU,
-    autograd runs a backward on the thread that called it.)"""
+def bind(group: IslandGroup | None):
+    """Run a stage's forward or backward on this thread with ``group`` as its island."""
     previous, _binding.group = _binding.group, group
     try:
         yield
@@ -61,10 +61,16 @@ def bind(group: IslandGroup):
         _binding.group = previous
 
 
-def take_counted_bytes() -> int:
-    """Bytes this thread put into island collectives since the last call (then reset)."""
-    n, _binding.counted = _binding.counted, 0
-    return n
+def take_counted_bytes(group: IslandGroup) -> int:
+    """Bytes put into ``group``'s collectives since the last call (then reset), from any thread:
+    autograd runs a CUDA backward on a device thread of its own."""
+    with _counted_lock:
+        return _counted.pop(id(group), 0)
+
+
+def _count(group: IslandGroup, nbytes: int) -> None:
+    with _counted_lock:
+        _counted[id(group)] = _counted.get(id(group), 0) + nbytes
 
 
 def _group() -> IslandGroup:
@@ -74,10 +80,31 @@ def _group() -> IslandGroup:
     return group
 
 
+def _keep(ctx, inputs, output):
+    """Setup of every backward that communicates: the island bound while the forward ran (None
+    in the controller's fake-tensor analysis, which binds none and runs no collective)."""
+    ctx.group = _binding.group
+    ctx.dim, ctx.ranks = (inputs[1], inputs[2]) if len(inputs) == 3 else (None, None)
+
+
+def _on_forward_island(backward):
+    """``backward`` run with the island its forward saw bound: on CPU autograd runs a backward on
+    the thread that called it, which has it bound already; for CUDA tensors on a device thread."""
+
+    def run(ctx, grad):
+        if ctx.group is None or ctx.group is _binding.group:
+            return backward(ctx, grad)
+        with bind(ctx.group):
+            return backward(ctx, grad)
+
+    return run
+
+
 def _run(x: torch.Tensor, op: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    _group().all_reduce(out, op)
-    _binding.counted += out.nbytes
+    group = _group()
+    group.all_reduce(out, op)
+    _count(group, out.nbytes)
     return out
 
 
@@ -86,7 +113,7 @@ def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.world_size)]
     group.all_gather_into(parts, x)
-    _binding.counted += x.nbytes
+    _count(group, x.nbytes)
     return torch.cat(parts, dim)
 
 
@@ -117,7 +144,7 @@ def island_copy(x: torch.Tensor) -> torch.Tensor:
 island_copy.register_fake(torch.empty_like)
 
 
-island_copy.register_autograd(lambda ctx, grad: island_all_reduce(grad))
+island_copy.register_autograd(_on_forward_island(lambda ctx, grad: island_all_reduce(grad)), setup_context=_keep)
 
 
 @custom_op("atoll::island_max", mutates_args=())
@@ -133,10 +160,6 @@ def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
     out = list(x.shape)
     out[dim] = int(out[dim] * factor)
     return x.new_empty(out)
-
-
-def _keep(ctx, inputs, output):
-    ctx.dim, ctx.ranks = inputs[1], inputs[2]
 
 
 @custom_op("atoll::island_reduce_scatter", mutates_args=())
@@ -169,16 +192,19 @@ island_scatter.register_fake(lambda x, dim, ranks: _resized(x, dim, 1 / ranks))
 island_gather.register_fake(lambda x, dim, ranks: _resized(x, dim, ranks))
 island_gather_whole.register_fake(lambda x, dim, ranks: _resized(x, dim, ranks))
 island_reduce_scatter.register_autograd(
-    lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+    _on_forward_island(lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None)),
+    setup_context=_keep,
 )
 island_gather.register_autograd(
-    lambda ctx, grad: (island_reduce_scatter(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+    _on_forward_island(lambda ctx, grad: (island_reduce_scatter(grad, ctx.dim, ctx.ranks), None, None)),
+    setup_context=_keep,
 )
 island_gather_whole.register_autograd(
-    lambda ctx, grad: (island_scatter(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+    _on_forward_island(lambda ctx, grad: (island_scatter(grad, ctx.dim, ctx.ranks), None, None)), setup_context=_keep
 )
 island_scatter.register_autograd(
-    lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None), setup_context=_keep
+    _on_forward_island(lambda ctx, grad: (island_gather_whole(grad, ctx.dim, ctx.ranks), None, None)),
+    setup_context=_keep,
 )
 
 

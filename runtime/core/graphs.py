@@ -139,8 +139,13 @@ def on_device(ep: torch.export.ExportedProgram, device: str | torch.device, fake
     would leave those behind. Under ``fake_mode`` the weights become fake tensors first, so the
     controller can analyze a CUDA stage without allocating on (or even having) that device's memory.
     """
-    if torch.device(device).type == "cpu":
+    device = torch.device(device)
+    if device.type == "cpu":
         return ep
+    if device.type == "cuda" and device.index is None:
+        # torch.device("cuda") != torch.device("cuda:0"): the device checks export records for
+        # ``.to(...)`` (``_assert_tensor_metadata``) compare the moved name with the tensors' own
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     from torch.export.passes import move_to_device_pass
 
     if fake_mode is not None:

@@ -131,10 +131,10 @@ class PlanLoader:
                 executor.transport = self._connect(request, mesh, executor, timeout_s)
             try:
                 if mesh.sizes["data"] > 1:
-                    executor.use_replicas(self._cpu_group(request, mesh, "data", timeout_s, "data parallelism"))
+                    executor.use_replicas(self._gloo_group(request, mesh, "data", timeout_s))
                 executor.island_rank, executor.island_size = mesh.coordinates["tensor"], mesh.sizes["tensor"]
                 if mesh.sizes["tensor"] > 1:
-                    executor.island = self._cpu_group(request, mesh, "tensor", timeout_s, "tensor parallelism")
+                    executor.island = self._gloo_group(request, mesh, "tensor", timeout_s)
             except Exception:
                 executor.close()  # the groups joined just before
                 raise
@@ -148,14 +148,11 @@ class PlanLoader:
             raise DataPlaneError("this worker has no controller to meet its peers through")
         return ControllerStore(self.controller, request.store_namespace, request.store_secret, prefix, timeout_s)
 
-    def _cpu_group(
-        self, request: pb.LoadPlanRequest, mesh: WorkerMesh, dim: str, timeout_s: float, what: str
-    ) -> GlooTransport:
+    def _gloo_group(self, request: pb.LoadPlanRequest, mesh: WorkerMesh, dim: str, timeout_s: float) -> GlooTransport:
         """A gloo group of this worker with its peers along mesh dimension ``dim``: across the
         data-parallel replicas (gradient average) or across its stage's island (tensor-parallel
-        collectives)."""
-        if self.device.type != "cpu":
-            raise DataPlaneError(f"{what} runs on CPU workers only (not built for CUDA yet)")
+        collectives). CUDA workers' collectives go through it too, staged through pinned host
+        memory (NCCL cannot pair ranks on one GPU, the only GPU setting run so far)."""
         store = self._store(request, mesh.groups[dim], timeout_s)
         rank, size = mesh.coordinates[dim], mesh.sizes[dim]
         return GlooTransport(store=store, rank=rank, world_size=size, hostname=self.host, timeout_s=timeout_s)

@@ -289,7 +289,7 @@ class PipelineExecutor:
             try:
                 run(self, action, state)
             finally:
-                state.island_bytes += collectives.take_counted_bytes()
+                state.island_bytes += collectives.take_counted_bytes(self.island)
 
     # ------------------------------------------------------------------ state
 

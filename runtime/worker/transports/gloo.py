@@ -79,6 +79,39 @@ class _StagedRecv:
         self._copied[self._host.data_ptr()] = done  # the next receive into _host waits for this copy
 
 
+def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Pinned host copies of CUDA tensors, taken once the compute stream's queued work made them
+    (gloo's collectives take host tensors: its reduce-scatter and coalesced all-reduce refuse
+    CUDA ones, and staging all of them one way keeps the collectives alike)."""
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()  # gloo reads the host copies now
+    return hosts
+
+
+class _StagedCollective:
+    """A gloo collective on host copies of CUDA tensors: ``wait`` copies its results back to the
+    device tensors, ordered on the compute stream (the pinned allocator keeps each host buffer
+    until its copy ran)."""
+
+    __slots__ = ("_inner", "_back", "tensor")
+
+    def __init__(self, inner: _GlooHandle, back: list[tuple[torch.Tensor, torch.Tensor]]):
+        self._inner, self._back = inner, back
+        self.tensor = inner.tensor
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout_s: float) -> None:
+        if self._inner.done():  # waited before, and copied then
+            return
+        self._inner.wait(timeout_s)
+        for host, device_tensor in self._back:
+            device_tensor.copy_(host, non_blocking=True)
+
+
 class GlooTransport:
     """Point-to-point over a torch.distributed gloo group private to one job.
 
@@ -129,30 +162,46 @@ class GlooTransport:
         handle = _GlooHandle(work, f"receive from rank {peer} (tag {tag})", target)
         return _StagedRecv(handle, target, tensor, self._copied) if tensor.is_cuda else handle
 
-    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> _GlooHandle:
-        """Sum each CPU tensor in place across the group (one coalesced collective)."""
+    def all_reduce_sum(self, tensors: list[torch.Tensor]) -> _GlooHandle | _StagedCollective:
+        """Sum each tensor in place across the group (one coalesced collective)."""
+        if tensors[0].is_cuda:
+            hosts = _to_host(tensors)
+            return _StagedCollective(self.all_reduce_sum(hosts), list(zip(hosts, tensors)))
         work = self._group.allreduce_coalesced(tensors)
         return _GlooHandle(work, f"all-reduce of {len(tensors)} tensors", tensors)
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        """Reduce a CPU tensor in place across the group ("sum" or "max") and wait for it (a
+        """Reduce a tensor in place across the group ("sum" or "max") and wait for it (a
         tensor-parallel island's collective, atoll.core.collectives)."""
+        if tensor.is_cuda:
+            (host,) = _to_host([tensor])
+            self.all_reduce(host, op)
+            tensor.copy_(host, non_blocking=True)
+            return
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         _GlooHandle(self._group.allreduce([tensor], opts), f"island all-reduce ({op})", tensor).wait(self.timeout_s)
 
     def all_gather_into(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """Every member's CPU ``tensor`` into ``outputs`` (member order), waited for (an island's
+        """Every member's ``tensor`` into ``outputs`` (member order), waited for (an island's
         sequence-parallel gather, atoll.core.collectives)."""
         self.all_gather(outputs, tensor).wait(self.timeout_s)
 
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle:
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> _GlooHandle | _StagedCollective:
         """Every member's ``tensor`` into ``outputs`` (one per member, in member order)."""
+        if tensor.is_cuda:
+            (host,) = _to_host([tensor])
+            host_outputs = [torch.empty(o.shape, dtype=o.dtype, pin_memory=True) for o in outputs]
+            return _StagedCollective(self.all_gather(host_outputs, host), list(zip(host_outputs, outputs)))
         work = self._group.allgather([outputs], [tensor])
         return _GlooHandle(work, "all-gather", tensor)
 
-    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor]) -> _GlooHandle:
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor]) -> _GlooHandle | _StagedCollective:
         """Sum ``inputs[d]`` over the members into member d's ``output`` (ZeRO-2/3's gradients)."""
+        if output.is_cuda:
+            hosts = _to_host(inputs)
+            host_output = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+            return _StagedCollective(self.reduce_scatter(host_output, hosts), [(host_output, output)])
         work = self._group.reduce_scatter([output], [inputs])
         return _GlooHandle(work, "reduce-scatter", output)
 
