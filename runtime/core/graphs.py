@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.fx.graph_module import _forward_from_src
 
 from atoll.core import collectives  # noqa: F401 (registers the island ops that sharded stage graphs call)
+from atoll.core import export_serde
 from atoll.errors import InvalidInput
 
 log = logging.getLogger("atoll.export")
@@ -34,6 +35,7 @@ def forbid_pickle(allow_pickle: bool = False) -> None:
 
 
 def serialize(ep: torch.export.ExportedProgram) -> bytes:
+    export_serde.apply()
     buf = io.BytesIO()
     torch.export.save(ep, buf)
     return buf.getvalue()
@@ -114,6 +116,7 @@ def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.Graph
 
 
 def deserialize(data: bytes, what: str) -> torch.export.ExportedProgram:
+    export_serde.apply()
     try:
         return torch.export.load(io.BytesIO(data))
     except Exception as e:
