@@ -18,8 +18,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx.graph_module import _forward_from_src
 
-from atoll.core import collectives  # noqa: F401 (registers the island ops that sharded stage graphs call)
-from atoll.core import export_serde
+from atoll.core import (
+    collectives,  # noqa: F401 (registers the island ops that sharded stage graphs call)
+    export_serde,
+)
 from atoll.errors import InvalidInput
 
 log = logging.getLogger("atoll.export")
