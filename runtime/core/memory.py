@@ -37,6 +37,28 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+class GradientBytes:
+    """``storage_bytes`` of a rank's gradients, remembered by the gradient tensors' identities.
+
+    A worker counts its gradients after every action; between steps they are the same tensors
+    (autograd accumulates in place) or none, and a gradient always has its parameter's shape, so
+    the few sets seen are remembered instead of looking up each tensor's storage every time (about
+    a millisecond a step for a 72-parameter stage on this machine). Not for tensors whose storage
+    is resized in place (ZeRO's gathered buffers)."""
+
+    def __init__(self):
+        self._seen: dict[tuple[int, ...], int] = {}
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> int:
+        key = tuple(0 if g is None else id(g) for g in grads)
+        n = self._seen.get(key)
+        if n is None:
+            if len(self._seen) >= 4:  # ids of freed tensors: forget them now and then
+                self._seen.clear()
+            n = self._seen[key] = storage_bytes(grads)
+        return n
+
+
 class SavedTensors:
     """Context manager: records the storages autograd saves while it is active."""
 

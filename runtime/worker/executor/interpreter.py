@@ -20,7 +20,7 @@ from atoll.core.actions import Action, Kind
 from atoll.core.config import WorkerSettings
 from atoll.core.dataflow import Routes
 from atoll.core.graphs import BlockGraph, StageGraph
-from atoll.core.memory import MemorySnapshot, storage_bytes, storage_key
+from atoll.core.memory import GradientBytes, MemorySnapshot, storage_bytes, storage_key
 from atoll.core.names import STEP_MODES
 from atoll.core.optim import build_optimizer
 from atoll.core.spans import WAIT, History, StepSpans
@@ -141,6 +141,7 @@ class PipelineExecutor:
         self.saved_bytes: dict[tuple, int] = {}
         """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
+        self._gradient_bytes = GradientBytes()
         self.optimizer_bytes = 0
         self.failure = ""
         """Set when a step fails part-way: the state is undefined, later steps are refused."""
@@ -269,7 +270,9 @@ class PipelineExecutor:
         return self.unsharded_parameter_bytes + (self.zero.parameter_bytes if self.zero is not None else 0)
 
     def observe(self, state: StepState, step: bool = False) -> None:
-        gradients = self.zero.gradient_bytes if self.zero is not None else storage_bytes(p.grad for p in self.params)
+        gradients = (
+            self.zero.gradient_bytes if self.zero is not None else self._gradient_bytes([p.grad for p in self.params])
+        )
         snap = MemorySnapshot(
             parameters=self.parameter_bytes,
             gradients=gradients,
