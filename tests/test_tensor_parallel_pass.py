@@ -219,3 +219,30 @@ def test_a_linear_left_whole_is_named_with_the_undivided_share_and_strict_refuse
         tensor_parallel_strict=True,
     )  # fmt: skip
     assert plain.report({})["warnings"] == []
+
+
+def test_a_backward_on_another_thread_runs_on_the_island_its_forward_saw():
+    """Autograd runs a CUDA backward on a device thread of its own, where no island is bound: the
+    ops whose backward communicates keep their forward's island, and the bytes count for it."""
+    member = _ThreadIsland(1).member(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    with collectives.bind(member):
+        y = collectives.island_copy(x)  # backward: an all-reduce over the island
+        z = collectives.island_gather(y, 0, 1)  # backward: a reduce-scatter
+        assert collectives.take_counted_bytes(member) == x.nbytes  # the forward's gather
+    errors = []
+
+    def backward():
+        try:
+            z.sum().backward()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join(30)
+    assert not errors, errors
+    assert torch.equal(x.grad, torch.ones(4, 8))
+    assert collectives.take_counted_bytes(member) == 2 * x.nbytes  # both backwards' collectives
+    with pytest.raises(RuntimeError, match="no island group bound"):
+        collectives.island_all_reduce(x.detach())  # a forward outside any island still refuses
