@@ -69,3 +69,26 @@ def test_rematerialization_shrinks_stashed_activations(client4, gpt):
     for a, b in zip(plan.report["stages"], remat_plan.report["stages"]):
         assert b["stashed_bytes_per_microbatch"] < a["stashed_bytes_per_microbatch"]
         assert b["recomputed_bytes_per_microbatch"] > 0
+
+
+def test_a_loss_kernel_that_keeps_its_elementwise_buffer_is_predicted_exactly(client4):
+    """torch's CPU ``mse_loss`` returns the 0-dim loss on the storage of its whole elementwise
+    buffer; the fake kernel the plan is made with allocates the scalar alone. The worker stashes
+    the loss on a storage of its own (runtime/worker/executor/compute.py), so the plan holds."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x, y = torch.randn(256, 64), torch.randn(256, 16)
+    assert F.mse_loss(x[:32, :16], y[:32]).untyped_storage().nbytes() == 32 * 16 * 4  # the kernel's quirk
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=F.mse_loss, stages=2, microbatches=8,
+        optimizer="sgd", optimizer_args={"lr": 0.01},
+    )  # fmt: skip
+    try:
+        measured = job.step_async(x, y).details().memory
+    finally:
+        job.close()
+    for rank in range(2):
+        assert measured[rank]["peak"] == {k: job.plan.predicted_memory[rank][k] for k in measured[rank]["peak"]}
