@@ -81,8 +81,8 @@ class _StagedRecv:
 
 def _to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Pinned host copies of CUDA tensors, taken once the compute stream's queued work made them
-    (gloo's collectives take host tensors: its reduce-scatter and coalesced all-reduce refuse
-    CUDA ones, and staging all of them one way keeps the collectives alike)."""
+    for gloo to send or reduce (its reduce-scatter and coalesced all-reduce refuse CUDA tensors;
+    staging every operation one way keeps them alike)."""
     hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for host, t in zip(hosts, tensors):
         host.copy_(t, non_blocking=True)
@@ -141,10 +141,7 @@ class GlooTransport:
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _GlooHandle:
         if tensor.is_cuda:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads the host copy now
-            tensor = host
+            (tensor,) = _to_host([tensor])
         work = self._group.send([tensor], peer, tag)
         return _GlooHandle(work, f"send to rank {peer} (tag {tag})", tensor)
 
