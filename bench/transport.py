@@ -1,6 +1,7 @@
 """Stage-to-stage transfer bandwidth on one GPU: atoll's cuda_ipc path next to a raw copy.
-Without CUDA (or with ``--device cpu``): atoll's gloo transport between two CPU processes next to
-a copy inside one, what CPU workers move (and the smoke test CI runs).
+Without CUDA (or with ``--device cpu``): what CPU workers move, and the smoke test CI runs: atoll's
+socket transport (the default between CPU workers) and its gloo transport between two CPU
+processes, next to a copy inside one, and each one's round trip of a 64-byte message.
 
 Prints one JSON object. For each size: a device-to-device copy inside one process (the ceiling),
 atoll's CudaIpcTransport between two worker-like processes (the receiver keeps ``--depth``
@@ -59,7 +60,10 @@ def raw_copy_gbps(nbytes: int, iters: int, device: str = "cuda") -> float:
 def _make_transport(kind: str, store, rank: int, region: torch.Tensor, buffers: list[torch.Tensor], ordering):
     from atoll.worker.transports.cuda_ipc import CudaIpcTransport
     from atoll.worker.transports.gloo import GlooTransport
+    from atoll.worker.transports.sockets import SocketTransport
 
+    if kind == "socket":
+        return SocketTransport(store=store, rank=rank, peers=[1 - rank], host="127.0.0.1", timeout_s=TIMEOUT_S)
     if kind == "cuda_ipc":
         peers = [1 - rank]
         return CudaIpcTransport(
@@ -138,6 +142,33 @@ def _peer(kind: str, ordering, device: str, nbytes: int, iters: int, depth: int,
     store.wait([f"done/{1 - rank}"])
 
 
+def _ping_pong(kind: str, iters: int, rank: int, port: int, out) -> None:
+    """Rank 0 sends 64 bytes, rank 1 sends them back, ``iters`` times: the round trip's seconds
+    and each side's CPU seconds per round trip."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    transport = _make_transport(kind, store, rank, torch.empty(0), [], None)
+    buf, peer = torch.zeros(16), 1 - rank
+    for count, timed in [(50, False), (iters, True)]:
+        store.set(f"go/{rank}/{timed}", "1")
+        store.wait([f"go/{peer}/{timed}"])
+        wall, cpu = time.perf_counter(), time.process_time()
+        for i in range(count):
+            if rank == 0:
+                back = transport.recv(buf, peer, 2 * i + 1)
+                transport.send(buf, peer, 2 * i).wait(TIMEOUT_S)
+                back.wait(TIMEOUT_S)
+            else:
+                transport.recv(buf, peer, 2 * i).wait(TIMEOUT_S)
+                transport.send(buf, peer, 2 * i + 1).wait(TIMEOUT_S)
+        wall, cpu = (time.perf_counter() - wall) / count, (time.process_time() - cpu) / count
+    store.set(f"cpu/{rank}", str(cpu))
+    if rank == 1:
+        out.put({"round_trip_us": wall * 1e6, "cpu_us_per_round_trip": [float(store.get("cpu/0")) * 1e6, cpu * 1e6]})
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{peer}"])
+    transport.close()
+
+
 def between_processes_gbps(
     kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None, device: str = "cuda"
 ) -> dict:
@@ -171,6 +202,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 64])
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--gloo-iters", type=int, default=20)
+    parser.add_argument("--round-trips", type=int, default=2000, help="CPU: 64-byte round trips per transport")
     parser.add_argument(
         "--depths", type=int, nargs="+", default=[2, 8], help="receives posted ahead (receive slots), one row each"
     )
@@ -220,24 +252,29 @@ def main() -> None:
 
 
 def _cpu_rows(args) -> None:
-    """CPU workers' data plane: gloo between two processes next to a copy inside one."""
+    """CPU workers' data plane: the socket and gloo transports between two processes, next to a
+    copy inside one; then each one's round trip of a small message."""
     rows = []
     for mb in args.sizes_mb:
         nbytes = int(mb * 2**20)
         raw = raw_copy_gbps(nbytes, args.iters, "cpu")
-        gloo = between_processes_gbps("gloo", nbytes, args.gloo_iters, 2, device="cpu")
-        row = {
-            "megabytes": mb,
-            "raw_copy_GBps": round(raw, 2),
-            "atoll_gloo_GBps": round(gloo["gbps"], 3),
-            "ratio_gloo_to_raw": round(gloo["gbps"] / raw, 4),
-            "payloads_arrive_whole_and_in_order": gloo["checked"],
-            "wrong_transfers": gloo["wrong_transfers"],
-        }
+        row = {"megabytes": mb, "raw_copy_GBps": round(raw, 2)}
+        for kind in ("socket", "gloo"):
+            got = between_processes_gbps(kind, nbytes, args.gloo_iters, 2, device="cpu")
+            row[f"atoll_{kind}_GBps"] = round(got["gbps"], 3)
+            row[f"ratio_{kind}_to_raw"] = round(got["gbps"] / raw, 4)
+            row[f"{kind}_payloads_arrive_whole_and_in_order"] = got["checked"]
+            row[f"{kind}_wrong_transfers"] = got["wrong_transfers"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
+    trips = {kind: run_pair(_ping_pong, kind, args.round_trips) for kind in ("socket", "gloo")}
+    small = {
+        **{f"{kind}_{k}": [round(v, 1) for v in x] if isinstance(x, list) else round(x, 1)
+           for kind, trip in trips.items() for k, x in trip.items()},
+        "ratio_gloo_to_socket_round_trip": round(trips["gloo"]["round_trip_us"] / trips["socket"]["round_trip_us"], 2),
+    }  # fmt: skip
     report = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "gloo_iters": args.gloo_iters}
-    print(json.dumps({**report, "results": rows}, indent=2))
+    print(json.dumps({**report, "results": rows, "round_trip_64_bytes": small}, indent=2))
 
 
 def _row(mb: float, nbytes: int, depth: int, raw: float, gloo: dict, mps: bool, iters: int, ordering: str) -> dict:

@@ -178,8 +178,14 @@ def test_parameter_server_benchmark_runs_at_its_smallest_size():
 
 
 def test_transport_benchmark_runs_its_cpu_rows_at_their_smallest_size():
-    """gloo between two CPU processes, each transfer's bytes compared on arrival."""
-    report = _run_bench("transport.py", "--device", "cpu", "--sizes-mb", "0.25", "--iters", "5", "--gloo-iters", "3")
+    """socket and gloo between two CPU processes, each transfer's bytes compared on arrival."""
+    report = _run_bench(
+        "transport.py", "--device", "cpu", "--sizes-mb", "0.25", "--iters", "5", "--gloo-iters", "3",
+        "--round-trips", "20",
+    )  # fmt: skip
     (row,) = report["results"]
     assert report["device"] == "cpu" and row["atoll_gloo_GBps"] > 0 and row["raw_copy_GBps"] > 0
-    assert row["payloads_arrive_whole_and_in_order"], row["wrong_transfers"]
+    for kind in ("socket", "gloo"):
+        assert row[f"atoll_{kind}_GBps"] > 0
+        assert row[f"{kind}_payloads_arrive_whole_and_in_order"], row[f"{kind}_wrong_transfers"]
+        assert report["round_trip_64_bytes"][f"{kind}_round_trip_us"] > 0

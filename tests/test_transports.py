@@ -16,7 +16,8 @@ def worker(device: str, host: str = "a", gpu: str = "") -> WorkerRecord:
 
 
 def test_transport_follows_placement():
-    assert choose_transport(worker("cpu"), worker("cpu", host="b")) == "gloo"
+    assert choose_transport(worker("cpu"), worker("cpu")) == "socket"  # a Unix-domain socket on one machine
+    assert choose_transport(worker("cpu"), worker("cpu", host="b")) == "socket"  # TCP between machines
     assert choose_transport(worker("cuda:0", gpu="G0"), worker("cuda:0", gpu="G0")) == "cuda_ipc"
     assert choose_transport(worker("cuda:0", gpu="G0"), worker("cuda:1", gpu="G1")) == "nccl"
     assert choose_transport(worker("cuda:0", gpu="G0"), worker("cuda:0", host="b", gpu="G0")) == "nccl"
@@ -26,7 +27,7 @@ def test_transport_follows_placement():
 def test_interleaved_edges_wrap_around_the_ranks():
     edges = edge_transports(placed_chain([0, 1, 0, 1]), [worker("cpu"), worker("cpu")])
     assert [(e["from_rank"], e["to_rank"]) for e in edges] == [(0, 1), (1, 0), (0, 1)]
-    assert {e["transport"] for e in edges} == {"gloo"}
+    assert {e["transport"] for e in edges} == {"socket"}
 
 
 def test_placed_plan_records_a_transport_per_edge(client4):
@@ -38,9 +39,20 @@ def test_placed_plan_records_a_transport_per_edge(client4):
     x = torch.randn(4, 4)
     job = client4.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=2)
     try:
+        assert [e["transport"] for e in job.plan.report["edges"]] == ["socket"] * 3
+        assert job.plan.report["groups"] == []  # sockets join the ranks of an edge only: no group
+        assert "0->1 rank 0->1 socket" in job.plan.render()
+        job.step(x, x)
+    finally:
+        job.close()
+    job = client4.pipeline(
+        model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=2, transport="gloo"
+    )
+    try:
         assert [e["transport"] for e in job.plan.report["edges"]] == ["gloo"] * 3
         assert job.plan.report["groups"] == ["gloo"]  # every rank joins the job's gloo group
         assert "0->1 rank 0->1 gloo" in job.plan.render()
+        job.step(x, x)
     finally:
         job.close()
 
@@ -55,6 +67,9 @@ def test_forced_transport_is_checked_against_placement():
         choose_transport(gpu, worker("cuda:1", gpu="G1"), "cuda_ipc")
     with pytest.raises(InvalidInput, match="needs CUDA workers at both ends"):
         choose_transport(worker("cpu"), gpu, "nccl")
+    assert choose_transport(worker("cpu"), worker("cpu"), "gloo") == "gloo"
+    with pytest.raises(InvalidInput, match="'socket' needs CPU workers at both ends"):
+        choose_transport(worker("cpu"), gpu, "socket")
 
 
 def test_peer_table_is_symmetric_and_skips_a_rank_talking_to_itself():

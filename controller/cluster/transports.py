@@ -7,7 +7,8 @@ edge; workers build exactly the transports their plan names (runtime/worker/daem
 | ---------------------------------------- | ---------- |
 | two CUDA workers on the same GPU         | cuda_ipc   |
 | two CUDA workers on different GPUs       | nccl       |
-| anything with a CPU end                  | gloo (a CUDA end stages through pinned host memory) |
+| two CPU workers                          | socket (Unix-domain on one machine, else TCP) |
+| a CPU worker and a CUDA one              | gloo (the CUDA end stages through pinned host memory) |
 
 A job may force one transport for every edge (``transport=``), e.g. gloo between GPU hosts
 without NCCL, or to measure one path against another; a forced choice that cannot work is refused.
@@ -34,8 +35,12 @@ def choose_transport(src: WorkerRecord, dst: WorkerRecord, forced: str = "auto")
     if forced == "auto":
         if src_gpu and dst_gpu:
             return "cuda_ipc" if same_gpu(src, dst) else "nccl"  # NCCL refuses two ranks on one GPU
-        return "gloo"
-    if forced != "gloo" and not (src_gpu and dst_gpu):
+        return "gloo" if src_gpu or dst_gpu else "socket"
+    if forced == "socket" and (src_gpu or dst_gpu):
+        raise InvalidInput(
+            f"transport 'socket' needs CPU workers at both ends of an edge: {src.describe()} and {dst.describe()}"
+        )
+    if forced not in ("gloo", "socket") and not (src_gpu and dst_gpu):
         raise InvalidInput(f"transport {forced!r} needs CUDA workers at both ends of an edge")
     if forced == "cuda_ipc" and not same_gpu(src, dst):
         raise InvalidInput(f"transport 'cuda_ipc' needs both ends on one GPU: {src.describe()} and {dst.describe()}")

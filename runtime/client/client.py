@@ -100,11 +100,12 @@ class Client(Connection):
 
         ``device`` is the kind of worker the job runs on: "cpu", or "cuda" (workers started with
         ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
-        ``transport`` is "auto" (each edge's transport follows from placement: cuda_ipc between
-        workers on one GPU, nccl between GPUs, gloo otherwise) or one of "gloo", "cuda_ipc",
-        "nccl" forced for every edge. ``islands`` names, per rank, the island its worker must be
-        on ("" for any). ``exclusive`` asks for workers no other job uses and keeps them (by
-        default jobs share workers, ordered by the gang schedule). When the cluster cannot meet
+        ``transport`` is "auto" (each edge's transport follows from placement: socket between CPU
+        workers, cuda_ipc between workers on one GPU, nccl between GPUs, gloo between a CPU and a
+        GPU worker) or one of "socket", "gloo", "cuda_ipc", "nccl" forced for every edge.
+        ``islands`` names, per rank, the island its worker must be on ("" for any). ``exclusive``
+        asks for workers no other job uses and keeps them (by default jobs share workers, ordered
+        by the gang schedule). When the cluster cannot meet
         the request now, it waits up to ``admission_timeout_s`` in the controller's admission
         queue (arrival order), then fails with ``NotEnoughWorkers``. Busy jobs sharing workers
         get their time in proportion to ``weight``. ``dispatch`` is "parallel" (every rank at once;

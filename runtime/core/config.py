@@ -40,7 +40,7 @@ class JobConfig:
     device: str = "cpu"
     """Device kind of the workers the job runs on: "cpu" or "cuda"."""
     transport: str = "auto"
-    """"auto": each edge's transport follows from placement; or "gloo", "cuda_ipc", "nccl"."""
+    """"auto": each edge's transport follows from placement; or "socket", "gloo", "cuda_ipc", "nccl"."""
     name: str = ""
     """A label shown by status."""
     islands: tuple[str, ...] = ()

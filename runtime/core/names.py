@@ -18,7 +18,7 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 """What a job's ``schedule`` setting takes."""
 DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
 DEVICE_KINDS = ("cpu", "cuda")
-TRANSPORTS = ("gloo", "cuda_ipc", "nccl")
+TRANSPORTS = ("socket", "gloo", "cuda_ipc", "nccl")
 """"auto" aside: each edge's transport follows from placement (controller/cluster/transports.py)."""
 STEP_MODES = ("train", "evaluate", "forward")
 """What a step runs of the plan's action list: training runs all of it; evaluation and inference

@@ -22,6 +22,7 @@ from atoll.worker.rendezvous import ControllerStore
 from atoll.worker.transports.cuda_ipc import CudaIpcTransport
 from atoll.worker.transports.gloo import DataPlaneError, GlooTransport, PeerTransports
 from atoll.worker.transports.nccl import NcclTransport
+from atoll.worker.transports.sockets import SocketTransport
 
 
 def _check_plan(routes: Routes, request: pb.LoadPlanRequest, ranks: int) -> None:
@@ -164,7 +165,7 @@ class PlanLoader:
 
         gloo and NCCL are process groups, joined by all ranks or none: every rank joins those the
         plan lists in ``groups`` (any edge of the job uses them), even with no edge of its own on
-        them. CUDA IPC is set up only between the ranks whose edges use it."""
+        them. Sockets and CUDA IPC are set up only between the ranks whose edges use them."""
         peers = {p: name for p, name in enumerate(request.peer_transports) if name}
         by_name: dict[str, object] = {}
         rank, ranks = mesh.coordinates["pipeline"], mesh.sizes["pipeline"]
@@ -180,6 +181,11 @@ class PlanLoader:
                 )
             if "nccl" in request.groups:
                 by_name["nccl"] = NcclTransport(store=job_store, rank=rank, world_size=ranks, timeout_s=timeout_s)
+            socket_peers = [p for p, name in peers.items() if name == "socket"]
+            if socket_peers:
+                by_name["socket"] = SocketTransport(
+                    store=job_store, rank=rank, peers=socket_peers, host=self.host, timeout_s=timeout_s
+                )
             ipc_peers = [p for p, name in peers.items() if name == "cuda_ipc"]
             if ipc_peers:
                 if self.device.type != "cuda":

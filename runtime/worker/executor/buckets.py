@@ -78,8 +78,7 @@ class GradBuckets:
         self._launch()
         for handle, grads in self._handles:
             handle.wait(self.timeout_s)
-            for g in grads:
-                g.div_(self.group.world_size)
+            torch._foreach_div_(grads, self.group.world_size)  # one call, not one per gradient
         reduced, self.reduced_bytes = self.reduced_bytes, 0
         self._handles, self._started = [], set()
         return reduced
