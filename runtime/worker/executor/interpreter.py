@@ -140,6 +140,8 @@ class PipelineExecutor:
         """The parameters held whole and for good: all but a base's and those ZeRO lays out."""
         self.saved_bytes: dict[tuple, int] = {}
         """Bytes each stage stashes for its backward, counted on its first run (compute._counted)."""
+        self.outputs_checked: set[tuple] = set()
+        """(stage, mode) whose outputs matched the plan's spec once: at fixed shapes, on every run."""
         self.buffer_bytes = sum(t.nbytes for t in self.recv_buffers)
         self._gradient_bytes = GradientBytes()
         self.optimizer_bytes = 0

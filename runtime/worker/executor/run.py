@@ -127,8 +127,9 @@ class StepRun:
         ex, state = self.ex, self.state
         if ex.zero is not None:
             ex.zero.end_step()
-        elif ex.optimizer is not None:
-            ex.optimizer.zero_grad(set_to_none=True)
+        else:  # what optimizer.zero_grad(set_to_none=True) does, without its profiling wrappers (~40 us)
+            for p in ex.params:
+                p.grad = None
         state.stash.clear()
         state.weight_halves.clear()
         state.pending_recvs.clear()
