@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from atoll._rpc import atoll_pb2 as pb
+from atoll.controller import heap
 from atoll.controller.cluster.admission import Ticket
 from atoll.controller.cluster.dispatch import Call, Dispatcher
 from atoll.controller.cluster.fairness import FairGate
@@ -144,6 +145,7 @@ class Lifecycle:
             self.unload(job, wait=True)
         job.state = JobState.CLOSED
         held = self.jobs.remove(job)
+        heap.release()
         self.gate.forget(job.job_id)
         self.metrics.forget(job)
         if job.session and job.session not in held:

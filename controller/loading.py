@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.controller import bases
+from atoll.controller import bases, heap
 from atoll.controller.cluster.dispatch import Call, DispatchError
 from atoll.controller.cluster.rendezvous import Rendezvous
 from atoll.controller.cluster.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
@@ -155,6 +155,7 @@ class Loader:
                 raise JobFailed(f"job {job.job_id} could not be loaded: {job.error}")
             job.state, job.loaded_at = JobState.READY, time.monotonic()
         self.records.job_state(job.job_id, JobState.READY.value)
+        heap.settle()  # the plan lives as long as the job: out of the collector's scans
         log.info("job %s ready on %s", job.job_id, ", ".join(w.worker_id for w in job.workers))
         return pb.SubmitReply(job_id=job.job_id, plan_json=json.dumps(job.report))
 
