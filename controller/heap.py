@@ -1,23 +1,31 @@
-"""The controller's long-lived objects kept out of the cyclic garbage collector's scans.
+"""A large job's plan kept out of the cyclic garbage collector's scans.
 
 A job's compiled plan lives as long as the job: its stages, dataflow, action lists and memory plan
 are many objects (a 1,024-stage pipeline, hundreds of thousands). Python's collector walks every
 live object on each full collection, and the allocations of dispatching steps trigger one every
-few steps: with a 1,024-stage plan loaded that walk cost the controller more CPU per step than the
-step's dispatch (about 23 against 9 ms; `bench/dispatch.py`'s simulated workers, with the
-collector off: 8.6-9.1 ms). So once a job is loaded, everything alive then is frozen (``gc.freeze``:
-moved to a generation the collector skips; reference counting still frees it). Closing a job
-unfreezes, so its plan's reference cycles can be collected, and the next load freezes again.
+few steps: with a 1,024-stage plan loaded, the first 30 relayed steps cost the controller 23 ms
+of CPU each against 9-10 ms after (`bench/dispatch.py`'s simulated workers; with the collector
+off, 8.6-9.1 ms throughout). So once a large job is loaded, a full collection first frees the
+compilation's garbage (fx graphs hold cycles, and with them stage weights: frozen, they would stay),
+then everything alive is frozen (``gc.freeze``: a generation the collector skips; reference
+counting still frees it). That collection costs about 0.15 s here, nothing beside compiling such a
+plan, and too much for every small job, which is left alone. Closing a job unfreezes, so its
+plan's cycles can be collected; the next large load freezes again.
 """
 
 from __future__ import annotations
 
 import gc
 
+LARGE_RANKS = 64
+"""A job of this many pipeline ranks or more is frozen once loaded."""
 
-def settle() -> None:
-    """A job was loaded: what is alive now is left out of later collections."""
-    gc.freeze()
+
+def settle(ranks: int) -> None:
+    """A job of ``ranks`` pipeline ranks was loaded."""
+    if ranks >= LARGE_RANKS:
+        gc.collect()
+        gc.freeze()
 
 
 def release() -> None:
