@@ -51,6 +51,7 @@ from atoll.worker.transports.cuda_marks import (
     unb64,
 )
 from atoll.worker.transports.gloo import DataPlaneError
+from atoll.worker.transports.socket_setup import hang_up, recv_exact
 
 _NOTICE = struct.Struct("<qqqq")  # kind, tag, buffer index, use of that buffer
 _READY, _FILLED, _HELLO = 1, 2, 3
@@ -160,7 +161,7 @@ class CudaIpcTransport:
             for _ in [x for x in peers if x > rank]:
                 s, _addr = listener.accept()
                 s.settimeout(timeout_s)
-                _kind, p, _, _ = _NOTICE.unpack(_recv_exact(s, _NOTICE.size))
+                _kind, p, _, _ = _NOTICE.unpack(recv_exact(s, _NOTICE.size))
                 socks[p] = s
             for p, s in socks.items():
                 s.settimeout(None)  # the reader blocks; close() shuts the socket down to end it
@@ -234,11 +235,7 @@ class CudaIpcTransport:
             self._closed = True
             self._fail_all_locked("transport closed")
         for peer in self._peers.values():
-            try:
-                peer.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            peer.sock.close()
+            hang_up(peer.sock)
         # A shut-down socket ends its reader at once; joining (bounded) keeps a reader from
         # touching CUDA while the process exits. Dropping the peers releases their opened
         # regions and events now, while the peers (their producers) are still alive.
@@ -346,7 +343,7 @@ class CudaIpcTransport:
         self._on_comm.set = True
         try:
             while True:
-                kind, tag, index, use = _NOTICE.unpack(_recv_exact(peer.sock, _NOTICE.size))
+                kind, tag, index, use = _NOTICE.unpack(recv_exact(peer.sock, _NOTICE.size))
                 if kind == _READY:
                     with self._lock:
                         pending = self._sends.pop((peer.rank, tag), None)
@@ -380,13 +377,3 @@ class CudaIpcTransport:
 
 def _views(region: torch.Tensor, table: list) -> list[torch.Tensor]:
     return [region[offset : offset + nbytes] for offset, nbytes in table]
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        data += chunk
-    return data

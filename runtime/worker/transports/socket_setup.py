@@ -109,7 +109,7 @@ def _accept(
                     # a peer sends its hello as soon as it connects: a silent stranger is dropped
                     s.settimeout(max(0.1, min(10.0, deadline - time.monotonic())))
                     try:
-                        peer, presented = HELLO.unpack(_recv_exact(s, HELLO.size))
+                        peer, presented = HELLO.unpack(recv_exact(s, HELLO.size))
                     except (OSError, ConnectionError):
                         s.close()
                         continue
@@ -129,7 +129,8 @@ def _abstract_name(sock: socket.socket) -> bytes:
     return name if isinstance(name, bytes) else name.encode()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from a blocking socket; ConnectionError if the peer closes first."""
     buf = bytearray(n)
     got = 0
     while got < n:
@@ -138,3 +139,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("peer closed the connection")
         got += k
     return bytes(buf)
+
+
+def hang_up(sock: socket.socket) -> None:
+    """Shut a connection down and close it: a thread blocked reading it returns at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

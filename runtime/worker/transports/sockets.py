@@ -28,11 +28,8 @@ gloo's, this channel is not encrypted.
 from __future__ import annotations
 
 import collections
-import ctypes
-import functools
 import select
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,104 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.worker.transports.gloo import DataPlaneError
-from atoll.worker.transports.socket_setup import connect_peers
-
-_HEADER = struct.Struct("<qq")  # tag, byte count
-_EMPTY = memoryview(b"")
-
-
-@functools.lru_cache(maxsize=1024)
-def _memory(address: int, nbytes: int) -> memoryview:
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-def _view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes, writable, whatever its dtype (bfloat16 has no buffer protocol). Cached
-    by address and length: the receive buffers are the plan's, the same every step."""
-    return _memory(tensor.data_ptr(), tensor.nbytes) if tensor.nbytes else _EMPTY
-
-
-class _Sent:
-    """A send: complete once returned (the kernel has the bytes), or the reason it failed."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str = ""):
-        self.error = error
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout_s: float) -> None:
-        if self.error:
-            raise DataPlaneError(self.error)
-
-
-_SENT = _Sent()
-
-
-class _Queued:
-    """A send that did not fit the socket at once: written in the background, in order."""
-
-    __slots__ = ("what", "tensor", "views", "written", "error")
-
-    def __init__(self, what: str, tensor: torch.Tensor, views: list[memoryview]):
-        self.what = what
-        self.tensor = tensor  # the views point into it: kept alive until written
-        self.views = views
-        self.written = threading.Event()
-        self.error = ""
-
-    def done(self) -> bool:
-        return self.written.is_set()
-
-    def wait(self, timeout_s: float) -> None:
-        if not self.written.wait(timeout_s):
-            raise DataPlaneError(f"{self.what} timed out after {timeout_s:g}s")
-        if self.error:
-            raise DataPlaneError(self.error)
-
-
-class _Message:
-    """A message read before its receive was posted, held until then."""
-
-    __slots__ = ("data", "finished", "error")
-
-    def __init__(self, nbytes: int):
-        self.data = bytearray(nbytes)
-        self.finished = False  # set under the transport's lock
-        self.error = ""  # the connection failed before the whole message came
-
-
-class _Recv:
-    __slots__ = ("transport", "tensor", "what", "finished", "error", "early")
-
-    def __init__(self, transport: SocketTransport, tensor: torch.Tensor, what: str):
-        self.transport = transport
-        self.tensor = tensor
-        self.what = what
-        self.finished = False  # set under the transport's lock
-        self.error = ""
-        self.early: _Message | None = None  # the message came first: copied in at wait
-
-    def done(self) -> bool:
-        """Whether ``wait`` would return at once (an interleaver asks before waiting in a thread)."""
-        return self.finished or (self.early is not None and self.early.finished)
-
-    def wait(self, timeout_s: float) -> None:
-        early = self.early
-        if not self.transport.progress_until(early or self, time.monotonic() + timeout_s):
-            raise DataPlaneError(f"{self.what} timed out after {timeout_s:g}s")
-        if early is not None:
-            self.early = None
-            self.error = early.error or self.error
-            if not self.error and len(early.data) != self.tensor.nbytes:
-                self.error = f"the message has {len(early.data)} bytes, the buffer {self.tensor.nbytes}"
-            if not self.error:
-                _view(self.tensor)[:] = early.data
-            self.finished = True
-        if self.error:
-            raise DataPlaneError(f"{self.what} failed: {self.error}")
+from atoll.worker.transports.socket_messages import HEADER, SENT, Message, Queued, Recv, Sent, advance, tensor_view
+from atoll.worker.transports.socket_setup import connect_peers, hang_up
 
 
 @dataclass(eq=False)
@@ -149,11 +50,11 @@ class _Peer:
     sender: threading.Thread | None = None  # writes the backlog while it is not empty
     posted: dict[int, collections.deque] = field(default_factory=dict)  # tag -> receives waiting
     early: dict[int, collections.deque] = field(default_factory=dict)  # tag -> messages waiting
-    header: bytearray = field(default_factory=lambda: bytearray(_HEADER.size))
+    header: bytearray = field(default_factory=lambda: bytearray(HEADER.size))
     header_got: int = 0
     into: memoryview | None = None  # where the message being read goes (None: a header is next)
     into_got: int = 0
-    reading: _Recv | _Message | None = None  # what the message completes
+    reading: Recv | Message | None = None  # what the message completes
     mismatch: str = ""  # the message does not fit its receive's buffer: read, dropped, and failed
 
 
@@ -188,27 +89,27 @@ class SocketTransport:
 
     # ------------------------------------------------------------------ the Transport interface
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> _Sent | _Queued:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Sent | Queued:
         p = self._peer(peer)
         if tensor.device.type != "cpu":
             raise DataPlaneError(f"socket send to rank {peer}: the tensor is on {tensor.device}, not the CPU")
         tensor = tensor.contiguous()
-        views = [memoryview(_HEADER.pack(tag, tensor.nbytes)), _view(tensor)]
+        views = [memoryview(HEADER.pack(tag, tensor.nbytes)), tensor_view(tensor)]
         what = f"socket send to rank {peer} (tag {tag})"
         with p.send_lock:
             if not p.backlog:  # nothing ahead of it: write what the socket takes now
                 try:
-                    _advance(views, p.sock.sendmsg(views))
+                    advance(views, p.sock.sendmsg(views))
                 except BlockingIOError:
                     pass
                 except OSError as e:
                     self._fail(f"connection to rank {peer} lost ({e})")
-                    return _Sent(f"{what} failed ({e})")
+                    return Sent(f"{what} failed ({e})")
                 if not views:
-                    return _SENT
+                    return SENT
             # the rest goes out in the background, after any send still going, so that this
             # thread goes on (to its receives, or a collective a peer needs) as gloo's would
-            queued = _Queued(what, tensor, views)
+            queued = Queued(what, tensor, views)
             p.backlog.append(queued)
             if p.sender is None:
                 p.sender = threading.Thread(target=self._drain, args=(p,), name=f"socket-send-{peer}", daemon=True)
@@ -228,7 +129,7 @@ class SocketTransport:
             try:
                 while queued.views:
                     try:
-                        _advance(queued.views, p.sock.sendmsg(queued.views))
+                        advance(queued.views, p.sock.sendmsg(queued.views))
                     except BlockingIOError:
                         pass
                     if queued.views and not self._until_writable(p, deadline):
@@ -248,11 +149,11 @@ class SocketTransport:
             queued.tensor = None
             queued.written.set()
 
-    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> _Recv:
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int) -> Recv:
         p = self._peer(peer)
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise DataPlaneError(f"socket receive from rank {peer}: needs a contiguous CPU buffer")
-        pending = _Recv(self, tensor, f"socket receive from rank {peer} (tag {tag})")
+        pending = Recv(self, tensor, f"socket receive from rank {peer} (tag {tag})")
         with self._lock:
             if self._broken:
                 raise DataPlaneError(f"socket transport of rank {self.rank}: {self._broken}")
@@ -272,15 +173,11 @@ class SocketTransport:
             self._closed = True
         self._fail("transport closed")
         for peer in self._peers.values():
-            try:
-                peer.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            peer.sock.close()
+            hang_up(peer.sock)
 
     # ------------------------------------------------------------------ reading
 
-    def progress_until(self, item: _Recv | _Message, deadline: float) -> bool:
+    def progress_until(self, item: Recv | Message, deadline: float) -> bool:
         """Read the peers' sockets (or let the thread reading them hand over) until ``item`` is
         done; False at ``deadline``."""
         if item.finished:
@@ -348,10 +245,10 @@ class SocketTransport:
                     if not n:
                         raise ConnectionError("closed by the peer")
                     peer.header_got += n
-                    if peer.header_got < _HEADER.size:
+                    if peer.header_got < HEADER.size:
                         continue
                     peer.header_got = 0
-                    self._begin(peer, *_HEADER.unpack(peer.header))
+                    self._begin(peer, *HEADER.unpack(peer.header))
                 elif peer.into_got < len(peer.into):
                     n = peer.sock.recv_into(peer.into[peer.into_got :])
                     if not n:
@@ -372,16 +269,16 @@ class SocketTransport:
             if waiting is not None and not waiting:
                 del peer.posted[tag]
             if pending is None:
-                pending = _Message(nbytes)
+                pending = Message(nbytes)
                 peer.early.setdefault(tag, collections.deque()).append(pending)
         peer.reading, peer.into_got, peer.mismatch = pending, 0, ""
-        if isinstance(pending, _Message):
+        if isinstance(pending, Message):
             peer.into = memoryview(pending.data)
         elif pending.tensor.nbytes != nbytes:
             peer.mismatch = f"the message has {nbytes} bytes, the buffer {pending.tensor.nbytes}"
             peer.into = memoryview(bytearray(nbytes))  # read and dropped, so the next message lines up
         else:
-            peer.into = _view(pending.tensor)
+            peer.into = tensor_view(pending.tensor)
 
     def _complete(self, peer: _Peer) -> None:
         item, peer.reading, peer.into = peer.reading, None, None
@@ -412,12 +309,3 @@ class SocketTransport:
         if p is None:
             raise DataPlaneError(f"socket transport of rank {self.rank}: rank {rank} is not a peer")
         return p
-
-
-def _advance(views: list[memoryview], sent: int) -> None:
-    """Drop the first ``sent`` bytes of ``views`` (sendmsg may write fewer than all)."""
-    while views and sent >= len(views[0]):
-        sent -= len(views[0])
-        views.pop(0)
-    if views and sent:
-        views[0] = views[0][sent:]
