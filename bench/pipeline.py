@@ -10,8 +10,10 @@ class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per ra
 compares each side's fastest schedule, as a user picking one would. ``auto`` (atoll alone: torch
 has no such schedule) reports what ``schedule="auto"`` chose after calibrating, its predicted step
 time against the measured one, and the measured rate of each candidate the run also measured. On CPU each row also gives
-the physical limit: the busiest rank's forward and backward work per microbatch (measured in this
-process on one thread) times the microbatches, as steps per second, and atoll's share of it.
+the physical limit: the busiest rank's forward and backward work per microbatch times the
+microbatches, as steps per second, and atoll's share of it; measured with each rank's work in a
+process alone, and again with all ranks' at once (``contended_limit``: what the ranks pay for
+sharing the machine's memory and cache; bench/stage_limit.py), with both sides' share of that.
 
 On CPU, both sides train the same GPT-style model (examples/gpt.py), or with ``--model mlp`` an MLP
 (8 x Linear(1024, 1024) + GELU, then a head), from the same initial weights, with the same stage
@@ -59,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
+from stage_limit import rank_costs  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.cli.malloc import daemon_malloc_tunables  # noqa: E402
@@ -138,35 +141,6 @@ def even_split_points(model, chunks: int) -> list[str] | None:
         return None
     per = blocks // chunks
     return [str(i) for i in range(per, blocks, per)]
-
-
-def stage_costs(model, batches, args, stage_blocks) -> list[float]:
-    """Seconds of one microbatch's forward plus backward on each stage, measured in this process
-    on one thread (median of 5): the work no schedule can remove."""
-    blocks = list(model.children())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        x, y = batches[0]
-        h = x.chunk(args.microbatches)[0]
-        target = y.chunk(args.microbatches)[0]
-        costs = []
-        for s, ids in enumerate(stage_blocks):
-            stage = torch.nn.Sequential(*[blocks[i] for i in ids])
-            last = s == len(stage_blocks) - 1
-            runs = []
-            for _ in range(6):
-                inp = h.detach().requires_grad_(h.is_floating_point())
-                start = time.perf_counter()
-                out = stage(inp)
-                (loss_of(args)(out, target) if last else out.float().pow(2).sum()).backward()
-                runs.append(time.perf_counter() - start)
-            costs.append(median(runs[1:]))
-            h = out.detach()
-        model.zero_grad(set_to_none=True)
-        return costs
-    finally:
-        torch.set_num_threads(threads)
 
 
 class AtollSide:
@@ -434,11 +408,16 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
-        # another with no bubble (it holds when every rank has a core of its own)
-        costs = stage_costs(model, batches, args, atoll.stage_blocks)
-        busiest = max(sum(costs[s] for s in stage_ids(r, args.ranks, schedule, virtual)) for r in range(args.ranks))
-        row["physical_limit_steps_per_s"] = round(1 / (busiest * args.microbatches), 3)
+        # another with no bubble, measured with each rank alone and with all at once (stage_limit.py)
+        ranks_stages = [stage_ids(r, args.ranks, schedule, virtual) for r in range(args.ranks)]
+        measured = rank_costs(make_setup, loss_of(args), args, atoll.stage_blocks, ranks_stages, args.limit_window_s)
+        for key, costs in zip(("physical_limit", "contended_limit"), measured):
+            row[f"{key}_ms_per_microbatch_per_rank"] = [round(c * 1e3, 2) for c in costs]
+            row[f"{key}_steps_per_s"] = round(1 / (max(costs) * args.microbatches), 3)
         row["atoll_share_of_limit"] = round(row["atoll_steps_per_s"] / row["physical_limit_steps_per_s"], 3)
+        row["atoll_async_share_of_limit"] = round(row["atoll_async_steps_per_s"] / row["physical_limit_steps_per_s"], 3)
+        row["atoll_share_of_contended_limit"] = round(row["atoll_steps_per_s"] / row["contended_limit_steps_per_s"], 3)
+        row["torch_share_of_contended_limit"] = round(row[steps_key] / row["contended_limit_steps_per_s"], 3)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
@@ -487,6 +466,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--limit-window-s", type=float, default=1.5, help="CPU: seconds per physical-limit measurement")
     parser.add_argument(
         "--mps", action="store_true", help="with --device cuda: the workers share the GPU through CUDA MPS"
     )

@@ -61,14 +61,18 @@ def test_a_model_larger_than_one_grpc_message_trains_and_saves(tmp_path):
 
 
 def test_daemons_take_the_malloc_settings_unless_the_caller_chose():
-    both = "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2"
+    thresholds = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=134217728"
+    both = "glibc.malloc.hugetlb=1:glibc.malloc.arena_max=2:" + thresholds
     assert daemon_malloc_tunables("") == both
     assert daemon_malloc_tunables("glibc.malloc.tcache_count=0") == "glibc.malloc.tcache_count=0:" + both
-    assert daemon_malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
+    assert daemon_malloc_tunables("glibc.malloc.hugetlb=0") == (
+        "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2:" + thresholds
+    )
     assert daemon_malloc_tunables("glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2") == (
-        "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2"
+        "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=2:" + thresholds
     )
     # a daemon started by hand re-executes itself only while a setting is missing (atoll.cli.malloc)
     assert not has_daemon_malloc({}) and not has_daemon_malloc({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
     assert has_daemon_malloc({"GLIBC_TUNABLES": both})
-    assert has_daemon_malloc({"GLIBC_TUNABLES": "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=0"})
+    assert has_daemon_malloc({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=8:glibc.malloc.hugetlb=0:{thresholds}"})
+    assert not has_daemon_malloc({"GLIBC_TUNABLES": "glibc.malloc.arena_max=8:glibc.malloc.hugetlb=0"})

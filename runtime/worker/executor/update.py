@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atoll.core import optim
 from atoll.core.actions import Action, Kind
 from atoll.core.memory import storage_bytes
 from atoll.worker.executor.handlers import handles
@@ -72,7 +73,7 @@ def optimizer_step(ex: PipelineExecutor, action: Action, state: StepState) -> No
         ex.zero.step(ex.replicas, ex.timeout_s)
         state.waiting_s += time.perf_counter() - started
     else:
-        ex.optimizer.step()
+        optim.step(ex.optimizer)
     ex.optimizer_bytes = storage_bytes(
         t for st in ex.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
     )

@@ -36,6 +36,7 @@ import math
 import torch
 from torch import nn
 
+from atoll.core import optim
 from atoll.core.memory import storage_bytes
 from atoll.core.optim import build_optimizer
 
@@ -241,7 +242,7 @@ class ZeroShard:
         replica's shards into the buffers."""
         for u in self.units:
             u.finish_reduce(timeout_s)
-        self.optimizer.step()
+        optim.step(self.optimizer)
         if self.stage < 3:  # at stage 3 the next gather reads the stepped shards
             for u in self.units:
                 u.share_step(group, timeout_s)

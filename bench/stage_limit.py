@@ -1,0 +1,93 @@
+"""The physical limit of a pipeline on CPU: each rank's forward and backward work per microbatch,
+with no runtime, no transfer and no bubble, measured in processes of their own under the malloc
+settings atoll's daemons and the benchmarks' peers run with (``DAEMON_MALLOC``).
+
+Measured two ways, both given by ``bench/pipeline.py``:
+
+- ``alone``: one rank's process at a time, the machine otherwise idle: the figure the schedules
+  issue defines (the slowest stage's F+B+W per microbatch times the microbatches).
+- ``together``: every rank's process at once, each on its own work for the same window: what any
+  pipeline on this machine pays, since its ranks compute at the same time and share the memory
+  bandwidth and the last-level cache. On the 2-core machine this was written on, the MLP job's
+  busiest rank (2 ranks) measured from 4% faster to 17% slower together than alone in three runs:
+  the machine's own variation is as large.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from unittest import mock
+
+import torch
+import torch.multiprocessing as mp
+
+from atoll.cli.malloc import daemon_malloc_tunables
+
+WINDOW_S = 1.5
+"""How long a rank repeats its work per measurement (at least 4 times)."""
+
+
+def _rank_loop(setup, loss_fn, args, stage_blocks, mine, last, commands, results, rank):
+    """One rank's process: on each command, forward and backward of each of its stages on one
+    microbatch, repeated for ``window_s``; puts the median seconds of one repetition (the first
+    one left out)."""
+    torch.set_num_threads(args.threads)
+    model, batches = setup(args)
+    blocks = list(model.children())
+    x, y = batches[0]
+    h, target = x.chunk(args.microbatches)[0], y.chunk(args.microbatches)[0]
+    inputs = {}
+    with torch.no_grad():  # each stage's input: the microbatch through the stages before it
+        for s, ids in enumerate(stage_blocks):
+            inputs[s] = h
+            for i in ids:
+                h = blocks[i](h)
+    stages = {s: torch.nn.Sequential(*[blocks[i] for i in stage_blocks[s]]) for s in mine}
+    results.put((rank, None))  # ready
+    while (window_s := commands.get()) is not None:
+        runs: list[float] = []
+        deadline = time.perf_counter() + window_s
+        while len(runs) < 4 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            for s in mine:
+                inp = inputs[s].detach().requires_grad_(inputs[s].is_floating_point())
+                out = stages[s](inp)
+                (loss_fn(out, target) if s == last else out.float().pow(2).sum()).backward()
+            runs.append(time.perf_counter() - start)
+        results.put((rank, statistics.median(runs[1:])))
+
+
+def rank_costs(setup, loss_fn, args, stage_blocks, ranks_stages: list[list[int]], window_s: float = WINDOW_S):
+    """Seconds of each rank's work per microbatch (its stages' forward and backward), measured in
+    one process per rank: ``(alone, together)``, each a list by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    last = len(stage_blocks) - 1
+    commands = [ctx.Queue() for _ in ranks_stages]
+    procs = [
+        ctx.Process(target=_rank_loop, args=(setup, loss_fn, args, stage_blocks, mine, last, commands[r], results, r))
+        for r, mine in enumerate(ranks_stages)
+    ]
+    with mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", ""))):
+        for p in procs:
+            p.start()
+    try:
+        for _ in procs:
+            results.get(timeout=300)  # every process ready
+        alone = {}
+        for queue in commands:  # one at a time
+            queue.put(window_s)
+            alone.update([results.get(timeout=300)])
+        for queue in commands:  # all at once
+            queue.put(window_s)
+        together = dict(results.get(timeout=300) for _ in procs)
+        for queue in commands:
+            queue.put(None)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [alone[r] for r in range(len(procs))], [together[r] for r in range(len(procs))]
