@@ -186,6 +186,12 @@ class Gang:
         ones are marked dead and named first, so the caller learns which worker to look at."""
         if error.code == grpc.StatusCode.UNAVAILABLE:
             self.registry.mark_dead(error.worker, f"unreachable during a step: {error.error}")
+        # one already declared dead (its calls abandoned, the job unloaded from the rest, which
+        # ends their waits on it): the survivors' errors that follow are its consequence
+        gone = [w for w in job.workers if not w.alive and w is not error.worker]
+        if gone:
+            named = ", ".join(f"{w.describe()} declared dead ({w.death})" for w in gone)
+            return f"{named}; a peer reported: {error}"
         calls = [Call(w, "Ping", pb.Empty()) for w in job.workers if w is not error.worker and w.alive]
         dead = []
         for call, reply in zip(calls, self.dispatcher.each(calls, self.PROBE_TIMEOUT_S)):

@@ -15,7 +15,12 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll.controller import bases, heap
 from atoll.controller.cluster.dispatch import Call, DispatchError
 from atoll.controller.cluster.rendezvous import Rendezvous
-from atoll.controller.cluster.transports import GROUP_TRANSPORTS, edge_transports, peer_transports
+from atoll.controller.cluster.transports import (
+    GROUP_TRANSPORTS,
+    edge_transports,
+    peer_transports,
+    replica_transport,
+)
 from atoll.controller.compiler.pipeline import CompiledPipeline, PipelineRequest, compile_pipeline
 from atoll.controller.gang import Gang
 from atoll.controller.jobs import Job, JobState
@@ -175,6 +180,7 @@ class Loader:
                 chains[d, tp] = (edges, peers, groups)
         report = compiled.report({i: f"{w.worker_id} {w.address} {w.device}" for i, w in enumerate(workers)})
         report["edges"], _, report["groups"] = chains[0, 0]
+        report["replica_transport"] = replicas = replica_transport(workers, topo.data_parallel, cfg.zero, cfg.transport)
         report["name"] = job.name
         report["base_name"], report["base"] = cfg.base_name, cfg.base
         if "restores" in job.report:  # an auto_resume job's history (controller/resume.py)
@@ -189,7 +195,7 @@ class Loader:
             d, r, tp = topo.coordinates(i)
             _, peers, groups = chains[d, tp]
             request = load_request(job.job_id, compiled, (d, r, tp), peers[r], groups, store)
-            request.base_job = job.base
+            request.base_job, request.replica_transport = job.base, replicas
             calls.append(Call(w, "LoadPlan", request))
         self.gang.dispatch(calls, self.load_timeout_s).replies()
         if resume_from:

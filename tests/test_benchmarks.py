@@ -25,6 +25,7 @@ def test_cli_benchmark_runs(capsys):
 def test_pipeline_benchmark_runs_at_its_smallest_size():
     args = ["--schedules", "gpipe,zbv,auto", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
     args += ["--d-model", "16", "--heads", "2", "--block-size", "8", "--rounds", "1", "--steps", "1", "--warmup", "1"]
+    args += ["--limit-window-s", "0.05"]
     out = subprocess.run(
         [sys.executable, "bench/pipeline.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
     )
@@ -36,6 +37,8 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["first_round_loss_atoll"] == pytest.approx(row["first_round_loss_torch"], rel=1e-4)
         assert set(row["atoll_cpu_ms_per_step"]) == {"client", "controller", "worker0", "worker1", "total"}
         assert set(row["torch_cpu_ms_per_step"]) == {"rank0", "rank1", "total"}
+        for limit in ("physical_limit", "contended_limit"):  # each rank's work alone, then all at once
+            assert len(row[f"{limit}_ms_per_microbatch_per_rank"]) == 2 and row[f"{limit}_steps_per_s"] > 0
         for side in ("atoll_cpu_ms_per_step", "torch_cpu_ms_per_step"):  # /proc counts 10 ms ticks: may read 0
             parts = [v for k, v in row[side].items() if k != "total"]
             assert min(parts) >= 0 and row[side]["total"] == pytest.approx(sum(parts), abs=0.05)
@@ -189,3 +192,12 @@ def test_transport_benchmark_runs_its_cpu_rows_at_their_smallest_size():
         assert row[f"atoll_{kind}_GBps"] > 0
         assert row[f"{kind}_payloads_arrive_whole_and_in_order"], row[f"{kind}_wrong_transfers"]
         assert report["round_trip_64_bytes"][f"{kind}_round_trip_us"] > 0
+
+
+def test_all_reduce_benchmark_runs_at_its_smallest_size():
+    """The replicas' socket ring and gloo group between two CPU processes, every sum checked."""
+    report = _run_bench("all_reduce.py", "--ranks", "2", "--mb", "0.01", "--iters", "3", "--rounds", "1")
+    for kind in ("socket", "gloo"):
+        (row,) = report["rounds"][kind]
+        assert row["sums_correct"] and row["cpu_ms_per_rank"] > 0 and row["wall_ms"] > 0
+    assert report["ratio_socket_over_gloo_cpu"] > 0

@@ -16,19 +16,29 @@ OPTIMIZERS = {"sgd": {"lr": 0.05, "momentum": 0.9}, "adamw": {"lr": 1e-3, "weigh
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize(
-    "make_model, stages, zero",
+    "make_model, stages, zero, transport",
     [
-        (models.mlp, 1, 0),
-        (models.mlp, 2, 0),
-        (models.transformer, 1, 0),
-        (models.transformer, 1, 1),
-        (models.transformer, 2, 0),
-        (models.mlp, 2, 1),
-        (models.transformer, 2, 1),
+        (models.mlp, 1, 0, "auto"),
+        (models.mlp, 2, 0, "auto"),
+        (models.transformer, 1, 0, "auto"),
+        (models.transformer, 1, 0, "gloo"),
+        (models.transformer, 1, 1, "auto"),
+        (models.transformer, 2, 0, "auto"),
+        (models.mlp, 2, 1, "auto"),
+        (models.transformer, 2, 1, "auto"),
     ],
-    ids=["dp2", "pp2xdp2", "gpt-dp2", "gpt-dp2-zero1", "gpt-pp2xdp2", "pp2xdp2-zero1", "gpt-pp2xdp2-zero1"],
+    ids=[
+        "dp2",
+        "pp2xdp2",
+        "gpt-dp2",
+        "gpt-dp2-gloo",
+        "gpt-dp2-zero1",
+        "gpt-pp2xdp2",
+        "pp2xdp2-zero1",
+        "gpt-pp2xdp2-zero1",
+    ],
 )
-def test_data_parallel_replicas_match_single_process(client4, make_model, stages, zero, optimizer):
+def test_data_parallel_replicas_match_single_process(client4, make_model, stages, zero, transport, optimizer):
     model, batches, loss_fn = make_model()
     x, y = batches[0]
     args = OPTIMIZERS[optimizer]
@@ -44,6 +54,7 @@ def test_data_parallel_replicas_match_single_process(client4, make_model, stages
         optimizer_args=args,
         data_parallel=2,
         zero=zero,
+        transport=transport,
     )
     try:
         results = [job.step_async(x, y).details() for x, y in batches]
@@ -54,6 +65,8 @@ def test_data_parallel_replicas_match_single_process(client4, make_model, stages
         job.close()
     assert len(workers) == 2 * stages and len(set(workers)) == 2 * stages  # a worker per replica and rank
     assert job.plan.report["data_parallel"] == 2
+    # CPU replicas average plain gradients over a socket ring; ZeRO's collectives and a forced gloo, gloo
+    assert job.plan.report["replica_transport"] == ("gloo" if zero or transport == "gloo" else "socket")
     # each replica reports its 2 microbatches: 4 per step, in the batch's order
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, optimizer, args)
     assert_matches_reference([r.loss for r in results], state, ref_losses, ref_state)

@@ -4,7 +4,12 @@ import pytest
 
 import atoll
 from atoll.controller.cluster.registry import WorkerRecord
-from atoll.controller.cluster.transports import choose_transport, edge_transports, peer_transports
+from atoll.controller.cluster.transports import (
+    choose_transport,
+    edge_transports,
+    peer_transports,
+    replica_transport,
+)
 from atoll.errors import InvalidInput
 from tests.models import placed_chain, submit
 
@@ -22,6 +27,16 @@ def test_transport_follows_placement():
     assert choose_transport(worker("cuda:0", gpu="G0"), worker("cuda:1", gpu="G1")) == "nccl"
     assert choose_transport(worker("cuda:0", gpu="G0"), worker("cuda:0", host="b", gpu="G0")) == "nccl"
     assert choose_transport(worker("cpu"), worker("cuda:0", gpu="G0")) == "gloo"
+
+
+def test_replicas_average_over_a_socket_ring_between_cpu_workers_only():
+    cpus, mixed = [worker("cpu")] * 4, [worker("cpu"), worker("cuda:0", gpu="G0")] * 2
+    assert replica_transport(cpus, data_parallel=1, zero=0) == ""  # no replicas
+    assert replica_transport(cpus, data_parallel=2, zero=0) == "socket"
+    assert replica_transport(cpus, data_parallel=2, zero=0, forced="socket") == "socket"
+    assert replica_transport(cpus, data_parallel=2, zero=0, forced="gloo") == "gloo"
+    assert replica_transport(cpus, data_parallel=2, zero=1) == "gloo"  # ZeRO's reduce-scatter and gathers
+    assert replica_transport(mixed, data_parallel=2, zero=0) == "gloo"
 
 
 def test_interleaved_edges_wrap_around_the_ranks():

@@ -12,6 +12,10 @@ edge; workers build exactly the transports their plan names (runtime/worker/daem
 
 A job may force one transport for every edge (``transport=``), e.g. gloo between GPU hosts
 without NCCL, or to measure one path against another; a forced choice that cannot work is refused.
+
+The data-parallel replicas' gradient all-reduce (``replica_transport``) is a ring over sockets
+(runtime/worker/transports/socket_ring.py) when every worker of the job is a CPU worker, unless
+the job forces gloo; ZeRO's collectives (reduce-scatter, gathers) and CUDA workers' go through gloo.
 """
 
 from __future__ import annotations
@@ -86,3 +90,11 @@ def peer_transports(edges: list[dict], ranks: int) -> dict[int, list[str]]:
                 raise InvalidInput(f"ranks {a} and {b} would need two transports ({table[x][y]}, {name})")
             table[x][y] = name
     return table
+
+
+def replica_transport(workers: list[WorkerRecord], data_parallel: int, zero: int, forced: str = "auto") -> str:
+    """How the job's replicas average their gradients: "" (one replica), "socket" or "gloo"."""
+    if data_parallel < 2:
+        return ""
+    cpu_only = not any(w.device.startswith("cuda") for w in workers)
+    return "socket" if cpu_only and not zero and forced in ("auto", "socket") else "gloo"

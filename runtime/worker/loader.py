@@ -22,6 +22,7 @@ from atoll.worker.rendezvous import ControllerStore
 from atoll.worker.transports.cuda_ipc import CudaIpcTransport
 from atoll.worker.transports.gloo import DataPlaneError, GlooTransport, PeerTransports
 from atoll.worker.transports.nccl import NcclTransport
+from atoll.worker.transports.socket_ring import SocketRing
 from atoll.worker.transports.sockets import SocketTransport
 
 
@@ -132,7 +133,7 @@ class PlanLoader:
                 executor.transport = self._connect(request, mesh, executor, timeout_s)
             try:
                 if mesh.sizes["data"] > 1:
-                    executor.use_replicas(self._gloo_group(request, mesh, "data", timeout_s))
+                    executor.use_replicas(self._replica_group(request, mesh, timeout_s))
                 executor.island_rank, executor.island_size = mesh.coordinates["tensor"], mesh.sizes["tensor"]
                 if mesh.sizes["tensor"] > 1:
                     executor.island = self._gloo_group(request, mesh, "tensor", timeout_s)
@@ -157,6 +158,17 @@ class PlanLoader:
         store = self._store(request, mesh.groups[dim], timeout_s)
         rank, size = mesh.coordinates[dim], mesh.sizes[dim]
         return GlooTransport(store=store, rank=rank, world_size=size, hostname=self.host, timeout_s=timeout_s)
+
+    def _replica_group(self, request: pb.LoadPlanRequest, mesh: WorkerMesh, timeout_s: float):
+        """This worker's group across the data-parallel replicas: a ring over sockets for the
+        gradient all-reduce where the plan says so (controller/cluster/transports.py), else gloo."""
+        if request.replica_transport != "socket":
+            return self._gloo_group(request, mesh, "data", timeout_s)
+        if self.device.type != "cpu":
+            raise DataPlaneError(f"the plan asks for a socket ring between replicas on a {self.device} worker")
+        store = self._store(request, mesh.groups["data"], timeout_s)
+        rank, size = mesh.coordinates["data"], mesh.sizes["data"]
+        return SocketRing(store=store, rank=rank, world_size=size, host=self.host, timeout_s=timeout_s)
 
     def _connect(
         self, request: pb.LoadPlanRequest, mesh: WorkerMesh, executor: PipelineExecutor, timeout_s: float

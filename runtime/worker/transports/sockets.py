@@ -63,7 +63,9 @@ class SocketTransport:
 
     name = "socket"
 
-    def __init__(self, *, store, rank: int, peers: list[int], host: str, timeout_s: float):
+    def __init__(self, *, store, rank: int, peers: list[int], host: str, timeout_s: float, send_buffer_bytes: int = 0):
+        """``send_buffer_bytes``: each socket's send buffer, if not the system's default (the
+        kernel caps it at ``net.core.wmem_max``): a message that fits is written at once."""
         self.rank = rank
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # guards the peers' tables, _broken and _reading
@@ -81,6 +83,8 @@ class SocketTransport:
         self._by_fd: dict[int, _Peer] = {}
         for p, s in socks.items():
             s.setblocking(False)
+            if send_buffer_bytes:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
             if s.family != socket.AF_UNIX:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._peers[p] = peer = _Peer(p, s)
@@ -89,7 +93,11 @@ class SocketTransport:
 
     # ------------------------------------------------------------------ the Transport interface
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> Sent | Queued:
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, inline: bool = False) -> Sent | Queued:
+        """Send ``tensor`` to ``peer``; what the socket does not take at once goes out from a thread
+        for that peer, or with ``inline`` from this one before it returns (reading the peers
+        meanwhile, so a peer sending to this rank at the same time is not blocked): for a caller
+        that would wait for the send at once anyway (socket_ring.py), a thread would be pure cost."""
         p = self._peer(peer)
         if tensor.device.type != "cpu":
             raise DataPlaneError(f"socket send to rank {peer}: the tensor is on {tensor.device}, not the CPU")
@@ -111,9 +119,14 @@ class SocketTransport:
             # thread goes on (to its receives, or a collective a peer needs) as gloo's would
             queued = Queued(what, tensor, views)
             p.backlog.append(queued)
-            if p.sender is None:
+            here = inline and p.sender is None
+            if here:
+                p.sender = threading.current_thread()  # no thread of its own starts meanwhile
+            elif p.sender is None:
                 p.sender = threading.Thread(target=self._drain, args=(p,), name=f"socket-send-{peer}", daemon=True)
                 p.sender.start()
+        if here:
+            self._drain(p)
         return queued
 
     def _drain(self, p: _Peer) -> None:
