@@ -51,7 +51,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -61,10 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
-from stage_limit import rank_costs  # noqa: E402
+from stage_limit import WINDOW_S, daemon_malloc, rank_costs  # noqa: E402
 
 import atoll  # noqa: E402
-from atoll.cli.malloc import daemon_malloc_tunables  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
@@ -261,7 +259,7 @@ class TorchSide:
             ctx.Process(target=target, args=(r, world, port, *settings, self.go, self.results)) for r in range(world)
         ]
         # the peers start with the malloc settings LocalCluster gives atoll's daemons (DAEMON_MALLOC)
-        with mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", ""))):
+        with daemon_malloc():
             for p in self.procs:
                 p.start()
         for _ in self.procs:  # started, imported and warmed up before any round is timed
@@ -466,7 +464,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--limit-window-s", type=float, default=1.5, help="CPU: seconds per physical-limit measurement")
+    parser.add_argument("--limit-window-s", type=float, default=WINDOW_S, help="CPU: seconds per limit measurement")
     parser.add_argument(
         "--mps", action="store_true", help="with --device cuda: the workers share the GPU through CUDA MPS"
     )

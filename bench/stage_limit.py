@@ -25,6 +25,13 @@ import torch.multiprocessing as mp
 
 from atoll.cli.malloc import daemon_malloc_tunables
 
+
+def daemon_malloc():
+    """Context: processes started inside it get the malloc settings LocalCluster gives atoll's
+    daemons (``DAEMON_MALLOC``), so a benchmark's peers and measurements run under the same."""
+    return mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", "")))
+
+
 WINDOW_S = 1.5
 """How long a rank repeats its work per measurement (at least 4 times)."""
 
@@ -70,7 +77,7 @@ def rank_costs(setup, loss_fn, args, stage_blocks, ranks_stages: list[list[int]]
         ctx.Process(target=_rank_loop, args=(setup, loss_fn, args, stage_blocks, mine, last, commands[r], results, r))
         for r, mine in enumerate(ranks_stages)
     ]
-    with mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", ""))):
+    with daemon_malloc():
         for p in procs:
             p.start()
     try:
