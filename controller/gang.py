@@ -98,16 +98,14 @@ class Gang:
         ``lane``: the job's own order (``Job.lane``), which workers keep as they do (a plan's
         LoadPlan always takes the workers' common order)."""
         with self.order.positions() as take:
-            for call in calls:
-                call.gang_lane = lane
-                call.gang_seq, call.gang_floor = take(call.worker.worker_id, lane)
+            take(calls, lane)
             if mode == "direct":
                 pending = self.dispatcher.submit(calls, timeout_s)
             elif mode == "relay":
                 pending = self.dispatcher.relay(calls, common, timeout_s)
         if mode == "sequential":
             pending = self.dispatcher.sequential(calls, timeout_s)
-        pending.on_end(lambda call: self.order.ended(call.worker.worker_id, call.gang_seq, call.gang_lane))
+        pending.on_end(self.order.ended)
         return pending
 
     def send_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str):

@@ -175,23 +175,28 @@ class GangScheduler:
 
     @contextlib.contextmanager
     def positions(self):
-        """Within the block, ``take(worker_id)`` hands out consecutive positions atomically, each
-        as (position, floor)."""
+        """Within the block, ``take(calls, lane)`` gives each call (controller/cluster/dispatch.py,
+        ``Call``) its worker's next position in ``lane`` and its floor, all atomically."""
         with self._lock:
             yield self._take
 
-    def _take(self, worker_id: str, lane: str = "") -> tuple[int, int]:
-        key = (worker_id, lane)
-        seq = self._next.get(key, 1)
-        self._next[key] = seq + 1
-        open_ = self._open.setdefault(key, set())
-        open_.add(seq)
-        return seq, min(open_)
+    def _take(self, calls: list, lane: str = "") -> None:
+        for call in calls:
+            key = (call.worker.worker_id, lane)
+            seq = self._next.get(key, 1)
+            self._next[key] = seq + 1
+            open_ = self._open.setdefault(key, set())
+            open_.add(seq)
+            call.gang_lane, call.gang_seq, call.gang_floor = lane, seq, min(open_)
 
-    def ended(self, worker_id: str, seq: int, lane: str = "") -> None:
-        """The call holding ``seq`` (in ``lane``, see Job.lane) has ended (answered, failed or timed out)."""
+    def ended(self, calls: list) -> None:
+        """These calls (each holding its ``gang_seq`` in its ``gang_lane``, see Job.lane) have
+        ended: answered, failed or timed out."""
         with self._lock:
-            self._open.get((worker_id, lane), set()).discard(seq)
+            for call in calls:
+                open_ = self._open.get((call.worker.worker_id, call.gang_lane))
+                if open_ is not None:
+                    open_.discard(call.gang_seq)
 
 
 class JobTable:

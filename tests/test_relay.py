@@ -10,7 +10,7 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.cluster.dispatch import Call, Dispatcher, DispatchError, relay_tree
 from atoll.controller.cluster.registry import WorkerRecord
-from atoll.errors import JobFailed
+from atoll.errors import InvalidInput, JobFailed
 from atoll.net.relay import Relay, children
 from atoll.net.rpc import make_server, rpc_handler
 
@@ -53,7 +53,12 @@ class Member(pb_grpc.WorkerServicer):
     def _own(self, request):
         if self.fail_step:
             raise JobFailed(f"step {request.step} failed at {self.address}")
-        seen = {"address": self.address, "gang_seq": request.gang_seq, "inputs": len(request.inputs)}
+        seen = {
+            "address": self.address,
+            "gang_seq": request.gang_seq,
+            "gang_floor": request.gang_floor,
+            "inputs": len(request.inputs),
+        }
         return pb.RunStepReply(memory_json=json.dumps(seen))
 
     @rpc_handler
@@ -89,7 +94,7 @@ def _calls(started, common, own):
     calls = []
     for rank, (_, member) in enumerate(started):
         record = WorkerRecord(f"w{rank}", member.address, "cpu", "host", 0, "", endpoint=None)
-        calls.append(Call(record, "RunStep", own.get(rank, common), gang_seq=100 + rank))
+        calls.append(Call(record, "RunStep", own.get(rank, common), gang_seq=100 + rank, gang_floor=50 + rank))
     return calls
 
 
@@ -101,12 +106,27 @@ def test_a_step_relayed_down_three_levels_reaches_every_worker_once_with_its_own
         common = pb.RunStepRequest(job_id="j", step=4, mode="train")
         first = pb.RunStepRequest(job_id="j", step=4, mode="train", inputs=[pb.TensorData(dtype="float32")])
         replies = dispatcher.relay(_calls(started, common, {0: first}), common, timeout_s=10).replies()
+        # the next step to the same workers (whose members the dispatcher keeps): rank 12's own
+        # request this time, and nothing left of rank 0's
+        again = dispatcher.relay(_calls(started, common, {12: first}), common, timeout_s=10).replies()
     finally:
         dispatcher.close()
     seen = [json.loads(r.memory_json) for r in replies]
     assert [s["address"] for s in seen] == [m.address for _, m in started]  # rank order, each once
     assert [s["gang_seq"] for s in seen] == [100 + r for r in range(13)]
+    assert [s["gang_floor"] for s in seen] == [50 + r for r in range(13)]
     assert [s["inputs"] for s in seen] == [1] + [0] * 12  # rank 0's own request, the others the common one
+    assert [json.loads(r.memory_json)["inputs"] for r in again] == [0] * 12 + [1]
+
+
+@pytest.mark.timeout(30)
+def test_a_group_whose_gang_positions_do_not_match_its_members_is_refused(members):
+    (_, member), *_ = members(1)
+    group = pb.RunStepGroupRequest(
+        common=pb.RunStepRequest(job_id="j"), members=[pb.GroupMember(subtree=1)], timeout_s=5, gang_seqs=[1, 2]
+    )
+    with pytest.raises(InvalidInput, match="2 gang positions and 0 floors for 1 members"):
+        member.relay.run(group)
 
 
 @pytest.mark.timeout(60)

@@ -86,9 +86,10 @@ class Pending:
         self._futures = futures
 
     def on_end(self, callback) -> None:
-        """Call ``callback(call)`` once each call has ended, failed or not."""
+        """Call ``callback(calls)`` with the calls that have ended, failed or not, as they end
+        (each on its own here; a relayed dispatch's all at once)."""
         for call, future in zip(self.calls, self._futures):
-            future.add_done_callback(lambda _, call=call: callback(call))
+            future.add_done_callback(lambda _, calls=[call]: callback(calls))
 
     def settle(self) -> Pending:
         """Wait until every call has ended, failed or not (each has its own deadline)."""
@@ -110,7 +111,7 @@ class RelayedPending(Pending):
         super().__init__(calls, [root])
 
     def on_end(self, callback) -> None:
-        self._futures[0].add_done_callback(lambda _: [callback(call) for call in self.calls])
+        self._futures[0].add_done_callback(lambda _: callback(self.calls))
 
     def replies(self) -> list:
         try:
@@ -151,6 +152,7 @@ class Dispatcher:
         self._loading: collections.Counter[str] = collections.Counter()
         """Per worker id, its LoadPlan calls in flight (counted from two threads: under the lock)."""
         self._loading_lock = threading.Lock()
+        self._members = functools.lru_cache(maxsize=64)(self._build_members)
 
     def loading(self, worker: WorkerRecord) -> bool:
         """Whether a plan is on its way to ``worker`` or being loaded there: a large one keeps the
@@ -177,23 +179,26 @@ class Dispatcher:
     def relay(self, calls: list[Call], common: pb.RunStepRequest, timeout_s: float) -> Pending:
         """Send a step (``RunStep`` calls in rank order, whose requests are ``common`` or their
         own) through a relay tree of its workers; returns at once."""
-        request = pb.RunStepGroupRequest(
-            common=common,
-            timeout_s=timeout_s,
-            members=[
-                pb.GroupMember(
-                    address=c.worker.address,
-                    gang_seq=c.gang_seq,
-                    gang_floor=c.gang_floor,
-                    own=None if c.request is common else c.request,
-                    subtree=size,
-                )
-                for c, size in zip(calls, relay_tree(len(calls), self.fanout))
-            ],
-        )
+        request = pb.RunStepGroupRequest()
+        request.CopyFrom(self._members(tuple(c.worker.address for c in calls)))
+        request.common.CopyFrom(common)
+        request.timeout_s = timeout_s
+        request.gang_seqs.extend([c.gang_seq for c in calls])
+        request.gang_floors.extend([c.gang_floor for c in calls])
+        for i, c in enumerate(calls):
+            if c.request is not common:  # the few ranks that read the batch
+                request.members[i].own.CopyFrom(c.request)
         # every level of the tree may take its margin
         deadline = timeout_s + RELAY_MARGIN_S * len(calls).bit_length()
         return RelayedPending(calls, self._calls.call(calls[0].worker.address, "RunStepGroup", request, deadline))
+
+    def _build_members(self, addresses: tuple[str, ...]) -> pb.RunStepGroupRequest:
+        """The members of a relayed step to these workers, the same every step of a job: built
+        once (a thousand of them cost the controller milliseconds to build, a copy microseconds)."""
+        sizes = relay_tree(len(addresses), self.fanout)
+        return pb.RunStepGroupRequest(
+            members=[pb.GroupMember(address=a, subtree=size) for a, size in zip(addresses, sizes)]
+        )
 
     def sequential(self, calls: list[Call], timeout_s: float) -> Pending:
         """Send each call (a step: ``RunStep``) only once the previous one's worker reports that

@@ -24,11 +24,24 @@ from atoll.net.rpc import AsyncCalls
 RELAY_MARGIN_S = 10.0
 
 
-def member_request(group: pb.RunStepGroupRequest, member: pb.GroupMember) -> pb.RunStepRequest:
+def member_request(group: pb.RunStepGroupRequest, index: int) -> pb.RunStepRequest:
+    member = group.members[index]
     request = pb.RunStepRequest()
     request.CopyFrom(member.own if member.HasField("own") else group.common)
-    request.gang_seq, request.gang_floor = member.gang_seq, member.gang_floor
+    request.gang_seq, request.gang_floor = group.gang_seqs[index], group.gang_floors[index]
     return request
+
+
+def subgroup(group: pb.RunStepGroupRequest, start: int, size: int) -> pb.RunStepGroupRequest:
+    """The members ``start .. start + size - 1`` (a child's subtree) as a group of their own."""
+    end = start + size
+    return pb.RunStepGroupRequest(
+        common=group.common,
+        members=group.members[start:end],
+        timeout_s=group.timeout_s,
+        gang_seqs=group.gang_seqs[start:end],
+        gang_floors=group.gang_floors[start:end],
+    )
 
 
 def children(members) -> list[tuple[int, int]]:
@@ -101,15 +114,18 @@ class Relay:
             raise InvalidInput(f"malformed step group: {e}") from None
         if group.timeout_s <= 0:
             raise InvalidInput("a step group needs a positive timeout_s")
-        futures = [in_thread(self._run_own, member_request(group, group.members[0]))]
+        if not len(group.gang_seqs) == len(group.gang_floors) == len(group.members):
+            raise InvalidInput(
+                f"malformed step group: {len(group.gang_seqs)} gang positions and {len(group.gang_floors)} "
+                f"floors for {len(group.members)} members"
+            )
+        futures = [in_thread(self._run_own, member_request(group, 0))]
         for start, size in spans:
             head = group.members[start]
             if size == 1:
-                futures.append(self._calls.call(head.address, "RunStep", member_request(group, head), group.timeout_s))
+                futures.append(self._calls.call(head.address, "RunStep", member_request(group, start), group.timeout_s))
             else:
-                sub = pb.RunStepGroupRequest(
-                    common=group.common, members=group.members[start : start + size], timeout_s=group.timeout_s
-                )
+                sub = subgroup(group, start, size)
                 futures.append(self._calls.call(head.address, "RunStepGroup", sub, group.timeout_s + RELAY_MARGIN_S))
         wait(futures, timeout=group.timeout_s + RELAY_MARGIN_S, return_when=FIRST_EXCEPTION)
         results = _results(futures[0], 1)
