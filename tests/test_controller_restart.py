@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ATOLL = [sys.executable, "-m", "atoll.cli"]
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 HEARTBEAT_TIMEOUT_S = 3.0
-# From the kill to every unanswered step answered: the controller's start (Python, torch, compiling
-# the job again: about 3 s here) and the workers registering again (a heartbeat interval). The issue
-# asks for under 10 s after the restart.
+# From the restarted controller's readiness to every unanswered step answered: the workers
+# registering again (a heartbeat interval) and the job compiled again (about 3 s here). The issue
+# asks for under 10 s after the restart; the time from the kill (the new process's start, which a
+# loaded machine can stretch past that alone) is recorded beside it.
 BACK_WITHIN_S = 10.0
 
 
@@ -86,15 +87,15 @@ def _float64_mlp():
     return model.double(), batches, loss_fn
 
 
-def _kill_mid_step(daemons, job, batches, controller) -> tuple[list, float]:
+def _kill_mid_step(daemons, job, batches, controller) -> tuple[list, float, float]:
     """Send four steps, SIGKILL the controller while they are in flight, start it again; returns
-    the futures and when the kill happened."""
+    the futures, when the kill happened and when the new controller was ready."""
     futures = [job.step_async(*b) for b in batches]
     controller.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     controller.wait(10)
     daemons.controller()
-    return futures, killed
+    return futures, killed, time.monotonic()
 
 
 def test_a_killed_controller_takes_its_job_back_and_no_step_runs_twice(daemons, record_property):
@@ -112,12 +113,13 @@ def test_a_killed_controller_takes_its_job_back_and_no_step_runs_twice(daemons, 
         )  # fmt: skip
         losses = [job.step(*b) for b in batches[:3]]
 
-        futures, killed = _kill_mid_step(daemons, job, batches[3:7], controller)
+        futures, killed, restarted = _kill_mid_step(daemons, job, batches[3:7], controller)
         record_property("answered_before_the_kill", sum(f.done() for f in futures))
         losses += [f.result() for f in futures]
-        back = time.monotonic() - killed
-        record_property("kill_to_every_step_answered_s", round(back, 2))
-        assert back < BACK_WITHIN_S, f"{back:.1f} s\n{daemons.logs()}"
+        answered = time.monotonic()
+        record_property("kill_to_every_step_answered_s", round(answered - killed, 2))
+        record_property("restart_to_every_step_answered_s", round(answered - restarted, 2))
+        assert answered - restarted < BACK_WITHIN_S, f"{answered - restarted:.1f} s\n{daemons.logs()}"
 
         losses += [job.step(*b) for b in batches[7:]]
         assert_matches_reference(losses, job.state_dict(), expected_losses, expected_state, RTOL)
