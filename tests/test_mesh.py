@@ -65,7 +65,9 @@ def test_the_plan_carries_the_mesh_and_no_job_config():
     topo = compiled.topology
     places = {}
     for w in range(topo.workers):
-        request = load_request("job", compiled, topo.coordinates(w), ["gloo"] * 2, ["gloo"], ("ns", "secret"))
+        request = load_request(
+            "job", compiled, topo.coordinates(w), ["gloo"] * 2, ["gloo"], ("ns", "secret"), compiled.dataflow.to_pb()
+        )
         places[w] = WorkerMesh.from_pb(request.mesh)
         assert WorkerSettings.from_pb(request.settings) == WorkerSettings.of(compiled.request.config)
     assert {p.worker for p in places.values()} == set(range(4))
@@ -80,7 +82,7 @@ def test_the_plan_carries_the_mesh_and_no_job_config():
 
 def test_a_worker_takes_its_layout_from_the_mesh():
     compiled = _compiled(stages=1)
-    request = load_request("job", compiled, (0, 0, 0), [""], [], ("ns", "secret"))
+    request = load_request("job", compiled, (0, 0, 0), [""], [], ("ns", "secret"), compiled.dataflow.to_pb())
     loader = PlanLoader(device=torch.device("cpu"), host="127.0.0.1", controller=None)
     executor = loader.load(request)
     assert (executor.rank, executor.island_rank, executor.island_size, executor.replicas) == (0, 0, 1, None)

@@ -26,12 +26,14 @@ def place(
     usable.sort(key=lambda w: (len(w.jobs), int(w.worker_id[1:])))
     wanted = list(islands) + [""] * (ranks - len(islands))
     chosen: dict[int, WorkerRecord] = {}
+    taken: set[str] = set()  # by id: a record's generated == compares every field (1,024 ranks: minutes)
     # ranks bound to an island first, so an unbound rank does not take a bound rank's worker
     for r in sorted(range(ranks), key=lambda r: wanted[r] == ""):
-        pick = next((w for w in usable if w not in chosen.values() and wanted[r] in ("", w.island)), None)
+        pick = next((w for w in usable if w.worker_id not in taken and wanted[r] in ("", w.island)), None)
         if pick is None:
             raise NotEnoughWorkers(_shortfall(ranks, device, wanted, live, usable, exclusive))
         chosen[r] = pick
+        taken.add(pick.worker_id)
     return [chosen[r] for r in range(ranks)]
 
 

@@ -13,6 +13,7 @@ fields only, so a model is limited by memory, not by a message size.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator
 
@@ -29,6 +30,21 @@ serializing the message whole costs 2.5 s/GB, and merely asking its size (ByteSi
 CHUNKED_METHODS = frozenset({"SubmitPipeline", "LoadPlan", "GetState"})
 
 
+@functools.cache
+def _holds_bytes(descriptor) -> bool:
+    """Whether a message of this type can hold a bytes field at any depth: the walk below skips
+    those that cannot (a 1,024-stage job's plan repeats its 1,023 dataflow edges to every worker)."""
+    seen, todo = {descriptor}, [descriptor]
+    while todo:
+        for field in todo.pop().fields:
+            if field.type == field.TYPE_BYTES:
+                return True
+            if field.type == field.TYPE_MESSAGE and field.message_type not in seen:
+                seen.add(field.message_type)
+                todo.append(field.message_type)
+    return False
+
+
 def _large_fields(message, path=()) -> list[tuple[tuple, bytes]]:
     """(path, value) of every bytes field above LIFT_BYTES, at any depth; a path is a tuple of
     (field name, index in a repeated field or -1)."""
@@ -37,7 +53,11 @@ def _large_fields(message, path=()) -> list[tuple[tuple, bytes]]:
         if field.type == field.TYPE_BYTES and not field.is_repeated:
             if len(value) > LIFT_BYTES:
                 found.append(((*path, (field.name, -1)), value))
-        elif field.type == field.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+        elif (
+            field.type == field.TYPE_MESSAGE
+            and not field.message_type.GetOptions().map_entry
+            and _holds_bytes(field.message_type)
+        ):
             if field.is_repeated:
                 for i, sub in enumerate(value):
                     found += _large_fields(sub, (*path, (field.name, i)))
