@@ -3,6 +3,7 @@ explained in the plan; on a cluster, the client calibrates the costs on the work
 
 import pytest
 
+from atoll.controller.compiler.autoschedule import TIE
 from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
 from tests import models
@@ -40,6 +41,20 @@ def test_auto_follows_the_costs():
     would not) makes the split schedules slower: 1F1B wins."""
     compiled = _compile(schedule_costs=_costs(1.0, 1.0, 6.0) | {"0B": 2.0, "1B": 2.0})
     assert compiled.schedule_choice.chosen == "1f1b"
+
+
+def test_predictions_within_the_tie_go_to_the_candidate_listed_first():
+    """Measured transfer postings can put GPipe a hair ahead of 1F1B at 2 stages (their compute
+    makespans are equal there): 1F1B, listed first and stashing fewer microbatches, wins within
+    TIE; outside it the fastest wins whatever its place (the first test). Rematerialization
+    leaves the split schedules out, so the two are the only candidates."""
+    costs = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0, "0RECV_F": 0.02, "0SEND_B": 0.02}
+    costs |= {"1SEND_F": 0.02, "1RECV_F": 0.01, "1SEND_B": 0.02, "1RECV_B": 0.05}
+    choice = _compile(schedule_costs=costs, rematerialize=True).schedule_choice
+    steps = {c.schedule: c.predicted_step_s for c in choice.candidates}
+    assert steps["gpipe"] < steps["1f1b"] <= steps["gpipe"] * (1 + TIE)
+    assert choice.chosen == "1f1b"
+    assert choice.why.startswith("1f1b: predicted") and "within 2% of gpipe" in choice.why
 
 
 def test_auto_without_measured_costs_uses_the_stages_flops():

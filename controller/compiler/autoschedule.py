@@ -25,6 +25,10 @@ from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.names import STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
 
+TIE = 0.02
+"""Predictions closer than this (relative) count as equal: a calibration's step times vary by a few
+percent, so the earlier-listed candidate (atoll.core.names.AUTO_CANDIDATES) wins them."""
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
@@ -88,14 +92,20 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
         routes = Routes(dataflow, placed.stage_ranks)
         timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
         rows.append(Candidate(name, timeline.makespan + overhead, timeline.bubble_fraction))
-    best = min(rows, key=lambda c: c.predicted_step_s)
+    fastest = min(rows, key=lambda c: c.predicted_step_s)
+    # of the candidates within TIE of the fastest, the one listed first (the fewer stashed microbatches)
+    best = next(c for c in rows if c.predicted_step_s <= fastest.predicted_step_s * (1 + TIE))
     others = sorted((c for c in rows if c is not best), key=lambda c: c.predicted_step_s)
     unit = "s" if cfg.schedule_costs else " forward-FLOP units"
     step = f"{best.predicted_step_s:.4g}{unit} ({best.predicted_bubble_fraction:.1%} bubble)"
     if not others:
         why = f"{best.schedule}: the only candidate, {step}"
-    elif others[0].predicted_step_s <= best.predicted_step_s * (1 + 1e-9):
-        why = f"{best.schedule}: the shortest predicted step, {step}, tied with {others[0].schedule} and listed first"
+    elif best is not fastest or others[0].predicted_step_s <= best.predicted_step_s * (1 + TIE):
+        tied = fastest if best is not fastest else others[0]
+        why = (
+            f"{best.schedule}: predicted {step}, within {TIE:.0%} of {tied.schedule} "
+            f"({tied.predicted_step_s:.4g}{unit}), and listed before it"
+        )
     else:
         runner = others[0]
         gain = runner.predicted_step_s / best.predicted_step_s - 1

@@ -15,8 +15,11 @@ import dataclasses
 from atoll.core.config import JobConfig
 from atoll.core.names import STEP_OVERHEAD_COST
 
-CALIBRATION_STEPS = 3
-"""Steps each calibration copy trains; the first warms up and is not measured."""
+CALIBRATION_STEPS = 6
+"""Steps each calibration copy trains; the first warms up and is not measured. One step's wall
+time varies by up to 15% from the next on a busy 2-core machine (the MLP job of
+bench/pipeline.py, 2 ranks): the median of five, not the mean of two, is what a prediction
+within 10% needs."""
 CALIBRATION_SCHEDULES = {1: ("1f1b", "zb_h1"), 2: ("interleaved_1f1b", "zbv")}
 """Per chunk count: a schedule with whole backwards and one with split ones, so every kind is measured."""
 
@@ -40,7 +43,7 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
 
 
 def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
-    """One calibration copy's costs from its timeline summary and its steps' mean wall time: each
+    """One calibration copy's costs from its timeline summary and its steps' median wall time: each
     action's seconds, and the step's time beyond what the simulation of its own schedule at those
     seconds gives (the control path, which every schedule pays alike)."""
     predicted = summary.get("predicted_step_s_at_measured_costs") or 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import time
 import warnings
 
@@ -306,12 +307,13 @@ class Client(Connection):
             job = submit(config)
             try:
                 job.step(example_input, example_target)  # the first step warms up
-                started = time.perf_counter()
+                walls = []
                 for _ in range(calibrate.CALIBRATION_STEPS - 1):
+                    started = time.perf_counter()
                     job.step(example_input, example_target)
-                wall = (time.perf_counter() - started) / (calibrate.CALIBRATION_STEPS - 1)
+                    walls.append(time.perf_counter() - started)
                 summary = job.timeline(last=calibrate.CALIBRATION_STEPS - 1).summary
-                return calibrate.costs_of(summary, wall)
+                return calibrate.costs_of(summary, statistics.median(walls))
             finally:
                 job.close()
 
