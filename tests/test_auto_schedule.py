@@ -94,19 +94,37 @@ def test_auto_calibrates_on_the_workers_and_trains_as_one_process(client4):
     assert not [j for j in client4.status(all=True).jobs if "calibration" in j.name]  # the copies are closed
 
 
-def test_calibration_measures_a_whole_and_a_split_backward():
-    """The copies the client loads: 1F1B (B) and ZB-H1 (I, W); only 1F1B where the split is
-    refused; for two chunks per worker, interleaved 1F1B and ZBV."""
+def test_calibration_measures_every_candidate_under_its_own_order():
+    """The copies the client loads: one per candidate, so 1F1B's and GPipe's B and ZB-H1's I and
+    W are each measured as their schedule runs them; no split schedule where the split is
+    refused; for two chunks per worker, ZBV, DualPipeV and interleaved 1F1B."""
     from atoll.client.calibrate import calibration_configs
 
     def schedules(**config):
         return [c.schedule for c in calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", **config))]
 
-    assert schedules() == ["1f1b", "zb_h1"]
-    assert schedules(rematerialize=True) == ["1f1b"]
-    assert schedules(virtual_stages=2) == ["interleaved_1f1b", "zbv"]
+    assert schedules() == ["1f1b", "zb_h1", "gpipe"]
+    assert schedules(rematerialize=True) == ["1f1b", "gpipe"]
+    assert schedules(virtual_stages=2) == ["zbv", "dualpipev", "interleaved_1f1b"]
     copy = calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_resume=True))[0]
     assert copy.name == "j calibration (1f1b)" and not copy.auto_resume and not copy.detached
+
+
+def test_each_candidate_is_simulated_at_the_costs_measured_under_it():
+    """Costs measured under 1F1B would call GPipe as fast (equal makespans at 2 stages); GPipe's
+    own calibration measured its forwards and backwards cheaper, and it wins on them. The unnamed
+    costs (each kind's mean over the copies) stand in for a schedule measured under no name."""
+    from atoll.client.calibrate import measured_costs
+
+    whole = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}
+    copies = {"1f1b": whole, "gpipe": {k: v * 0.8 for k, v in whole.items()}}
+    costs = measured_costs(lambda copy: copies[copy.schedule], JobConfig(stages=2, microbatches=4, rematerialize=True))
+    assert costs["gpipe/0F"] == 0.8 and costs["1f1b/0F"] == 1.0 and costs["0F"] == 0.9
+    choice = _compile(schedule_costs=costs, rematerialize=True).schedule_choice
+    steps = {c.schedule: c.predicted_step_s for c in choice.candidates}
+    assert choice.chosen == "gpipe" and steps["gpipe"] == pytest.approx(0.8 * steps["1f1b"])
+    unnamed = _compile(schedule_costs={k: v for k, v in costs.items() if "/" not in k}, rematerialize=True)
+    assert unnamed.schedule_choice.chosen == "1f1b"  # at the means, a tie: the one listed first
 
 
 def test_the_measured_step_overhead_is_added_to_every_candidate():

@@ -4,7 +4,8 @@ The candidates are the schedules that run the job's ``virtual_stages`` chunks pe
 those the job's other settings refuse (``JobConfig.auto_candidates``). Each is lowered on the job's dataflow and placed
 as it would run, then simulated (controller/compiler/simulate.py) with each action's cost:
 measured on the workers when the client calibrated (``JobConfig.schedule_costs``, seconds per
-stage and kind: computes, and the optimizer step and the posting of transfers as measured), else
+stage and kind: computes, and the optimizer step and the posting of transfers as measured; each
+candidate's own where it was calibrated under its own order, ``costs_for``), else
 in units of the stages' forward FLOPs (a backward twice its forward, each half of a split one
 once). The time data spends on the wire is not simulated. The report lists each
 candidate's predicted step time and why the choice won.
@@ -22,7 +23,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
-from atoll.core.names import STEP_OVERHEAD_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
 
 TIE = 0.02
@@ -82,12 +83,21 @@ def durations(costs: dict, flops: list[int]):
     return cost
 
 
+def costs_for(costs: dict, schedule: str) -> dict:
+    """The costs to simulate ``schedule`` at: those measured under it ("gpipe/0F", see
+    atoll.client.calibrate), else the unnamed ones."""
+    prefix = schedule + SCHEDULE_COST_SEPARATOR
+    own = {key[len(prefix) :]: value for key, value in costs.items() if key.startswith(prefix)}
+    return own or {key: value for key, value in costs.items() if SCHEDULE_COST_SEPARATOR not in key}
+
+
 def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int]) -> tuple[Topology, Choice]:
     """The topology of the fastest candidate, and the choice with every candidate's prediction."""
-    cost = durations(cfg.schedule_costs, flops)
-    overhead = float(cfg.schedule_costs.get(STEP_OVERHEAD_COST, 0.0))
     rows = []
     for name in cfg.auto_candidates():
+        costs = costs_for(cfg.schedule_costs, name)
+        cost = durations(costs, flops)
+        overhead = float(costs.get(STEP_OVERHEAD_COST, 0.0))
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
         timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)

@@ -1,11 +1,14 @@
 """The short calibration behind schedule="auto": what each stage's actions cost on the real workers.
 
-The job is loaded once per calibration schedule (a full backward per microbatch, and a split one),
-as a throw-away copy beside the real job: it trains a few steps on the example batch, the workers'
-timelines give each stage's forward, backward and backward halves in seconds (less the waits on
-the data plane inside them), and the copy is closed. The real job starts from the model's own
-weights with those costs (``JobConfig.schedule_costs``), and the compiler simulates every
-candidate schedule at them (controller/compiler/autoschedule.py).
+The job is loaded once per candidate schedule, as a throw-away copy beside the real job: it
+trains a few steps on the example batch, the workers' timelines give each stage's forward,
+backward and backward halves in seconds (less the waits on the data plane inside them), and the
+copy is closed. The real job starts from the model's own weights with those costs
+(``JobConfig.schedule_costs``), and the compiler simulates every candidate schedule at its own
+(controller/compiler/autoschedule.py). Each candidate is measured under its own order because an
+action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, GPipe's forwards one
+after another ran 17% faster per step than 1F1B's alternation, which costs measured under 1F1B
+did not predict.
 """
 
 from __future__ import annotations
@@ -13,21 +16,18 @@ from __future__ import annotations
 import dataclasses
 
 from atoll.core.config import JobConfig
-from atoll.core.names import STEP_OVERHEAD_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
 
 CALIBRATION_STEPS = 6
 """Steps each calibration copy trains; the first warms up and is not measured. One step's wall
 time varies by up to 15% from the next on a busy 2-core machine (the MLP job of
 bench/pipeline.py, 2 ranks): the median of five, not the mean of two, is what a prediction
 within 10% needs."""
-CALIBRATION_SCHEDULES = {1: ("1f1b", "zb_h1"), 2: ("interleaved_1f1b", "zbv")}
-"""Per chunk count: a schedule with whole backwards and one with split ones, so every kind is measured."""
 
 
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
-    """The throw-away copies to measure: the job's own settings under each calibration schedule
-    (split-backward ones only where the job may use them), never saved or resumed."""
-    usable = config.auto_candidates()
+    """The throw-away copies to measure: the job's own settings under each candidate schedule
+    (``JobConfig.auto_candidates``), never saved or resumed."""
     return [
         dataclasses.replace(
             config,
@@ -37,8 +37,7 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
             auto_resume=False,
             checkpoint_path="",
         )
-        for schedule in CALIBRATION_SCHEDULES.get(config.virtual_stages, ())
-        if schedule in usable
+        for schedule in config.auto_candidates()
     ]
 
 
@@ -51,11 +50,14 @@ def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
 
 
 def measured_costs(run_copy, config: JobConfig) -> dict[str, float]:
-    """Seconds per stage and action kind ("0F", "0B", "0I", "0W", ...), each the mean over the
-    calibration copies that ran it. ``run_copy(config)`` loads one copy, trains it
-    ``CALIBRATION_STEPS`` steps and returns ``costs_of`` them."""
+    """Seconds per stage and action kind, each candidate's own under its name ("gpipe/0F",
+    "zb_h1/0I", ...), and each kind's mean over the candidates that ran it without a name ("0F",
+    "0B", ...: for a plan printed without a calibration of its own). ``run_copy(config)`` loads
+    one copy, trains it ``CALIBRATION_STEPS`` steps and returns ``costs_of`` them."""
     seen: dict[str, list[float]] = {}
+    own: dict[str, float] = {}
     for copy in calibration_configs(config):
         for key, seconds in run_copy(copy).items():
             seen.setdefault(key, []).append(seconds)
-    return {key: sum(values) / len(values) for key, values in seen.items()}
+            own[f"{copy.schedule}{SCHEDULE_COST_SEPARATOR}{key}"] = seconds
+    return {key: sum(values) / len(values) for key, values in seen.items()} | own

@@ -13,7 +13,10 @@ worker; of two predicted equally fast (within controller/compiler/autoschedule.p
 listed first (1F1B stashes fewer microbatches than GPipe)."""
 STEP_OVERHEAD_COST = "step_overhead_s"
 """In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
-simulated actions (the control path, measured at calibration), added to every candidate alike."""
+simulated actions (the control path, measured at calibration), added to the candidate's step."""
+SCHEDULE_COST_SEPARATOR = "/"
+"""In ``JobConfig.schedule_costs``, "gpipe/0F": a cost measured under that schedule, used for it
+before the unnamed "0F" (atoll.client.calibrate)."""
 SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 """What a job's ``schedule`` setting takes."""
 DISPATCH_MODES = ("parallel", "direct", "relay", "sequential")
