@@ -114,11 +114,10 @@ def test_each_candidate_is_simulated_at_the_costs_measured_under_it():
     """Costs measured under 1F1B would call GPipe as fast (equal makespans at 2 stages); GPipe's
     own calibration measured its forwards and backwards cheaper, and it wins on them. The unnamed
     costs (each kind's mean over the copies) stand in for a schedule measured under no name."""
-    from atoll.client.calibrate import measured_costs
+    from atoll.client.calibrate import combined
 
     whole = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0}
-    copies = {"1f1b": whole, "gpipe": {k: v * 0.8 for k, v in whole.items()}}
-    costs = measured_costs(lambda copy: copies[copy.schedule], JobConfig(stages=2, microbatches=4, rematerialize=True))
+    costs = combined({"1f1b": whole, "gpipe": {k: v * 0.8 for k, v in whole.items()}})
     assert costs["gpipe/0F"] == 0.8 and costs["1f1b/0F"] == 1.0 and costs["0F"] == 0.9
     choice = _compile(schedule_costs=costs, rematerialize=True).schedule_choice
     steps = {c.schedule: c.predicted_step_s for c in choice.candidates}

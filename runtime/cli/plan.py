@@ -46,7 +46,7 @@ class _PlanOnlyClient(Client):
     def _keep_alive(self) -> None:  # nothing to keep alive: no controller
         pass
 
-    def _schedule_costs(self, config, run_copy) -> dict[str, float]:
+    def _schedule_costs(self, config, submit, batch) -> dict[str, float]:
         """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts."""
         return {}
 

@@ -1,10 +1,12 @@
 """The short calibration behind schedule="auto": what each stage's actions cost on the real workers.
 
-The job is loaded once per candidate schedule, as a throw-away copy beside the real job: it
-trains a few steps on the example batch, the workers' timelines give each stage's forward,
-backward and backward halves in seconds (less the waits on the data plane inside them), and the
-copy is closed. The real job starts from the model's own weights with those costs
-(``JobConfig.schedule_costs``), and the compiler simulates every candidate schedule at its own
+The job is loaded once per candidate schedule, as throw-away copies beside each other: they
+train a few steps on the example batch, one step of each in turn (a machine whose speed drifts
+from minute to minute then slows them all alike), the workers' timelines give each stage's
+forward, backward and backward halves in seconds (less the waits on the data plane inside them),
+and the copies are closed. The copies are on the workers together: their memory adds up. The
+real job starts from the model's own weights with those costs (``JobConfig.schedule_costs``),
+and the compiler simulates every candidate schedule at its own
 (controller/compiler/autoschedule.py). Each candidate is measured under its own order because an
 action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, GPipe's forwards one
 after another ran 17% faster per step than 1F1B's alternation, which costs measured under 1F1B
@@ -14,6 +16,8 @@ did not predict.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 from atoll.core.config import JobConfig
 from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
@@ -27,7 +31,7 @@ within 10% needs."""
 
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
     """The throw-away copies to measure: the job's own settings under each candidate schedule
-    (``JobConfig.auto_candidates``), never saved or resumed."""
+    (``JobConfig.auto_candidates``), never saved or resumed, sharing their workers."""
     return [
         dataclasses.replace(
             config,
@@ -36,6 +40,7 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
             detached=False,
             auto_resume=False,
             checkpoint_path="",
+            exclusive=False,
         )
         for schedule in config.auto_candidates()
     ]
@@ -49,15 +54,38 @@ def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
     return {**summary["measured_costs"], STEP_OVERHEAD_COST: max(0.0, wall_s - predicted)}
 
 
-def measured_costs(run_copy, config: JobConfig) -> dict[str, float]:
+def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict[str, float]]:
+    """Load every copy (``submit(config)`` returns its Job), train them ``CALIBRATION_STEPS``
+    steps on ``batch`` one step of each in turn, close them; each schedule's ``costs_of``."""
+    jobs = []
+    try:
+        for config in configs:
+            jobs.append(submit(config))
+        for job in jobs:
+            job.step(*batch)  # the first step warms up
+        walls: list[list[float]] = [[] for _ in jobs]
+        for _ in range(CALIBRATION_STEPS - 1):
+            for job, times in zip(jobs, walls):
+                started = time.perf_counter()
+                job.step(*batch)
+                times.append(time.perf_counter() - started)
+        return {
+            config.schedule: costs_of(job.timeline(last=CALIBRATION_STEPS - 1).summary, statistics.median(times))
+            for config, job, times in zip(configs, jobs, walls)
+        }
+    finally:
+        for job in jobs:
+            job.close()
+
+
+def combined(per_schedule: dict[str, dict[str, float]]) -> dict[str, float]:
     """Seconds per stage and action kind, each candidate's own under its name ("gpipe/0F",
     "zb_h1/0I", ...), and each kind's mean over the candidates that ran it without a name ("0F",
-    "0B", ...: for a plan printed without a calibration of its own). ``run_copy(config)`` loads
-    one copy, trains it ``CALIBRATION_STEPS`` steps and returns ``costs_of`` them."""
+    "0B", ...: for a plan printed without a calibration of its own)."""
     seen: dict[str, list[float]] = {}
     own: dict[str, float] = {}
-    for copy in calibration_configs(config):
-        for key, seconds in run_copy(copy).items():
+    for schedule, costs in per_schedule.items():
+        for key, seconds in costs.items():
             seen.setdefault(key, []).append(seconds)
-            own[f"{copy.schedule}{SCHEDULE_COST_SEPARATOR}{key}"] = seconds
+            own[f"{schedule}{SCHEDULE_COST_SEPARATOR}{key}"] = seconds
     return {key: sum(values) / len(values) for key, values in seen.items()} | own

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
-import time
 import warnings
 
 import torch
@@ -303,30 +301,17 @@ class Client(Connection):
             reply = self._call("SubmitPipeline", request, timeout_s=600.0)
             return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
-        def run_copy(config: JobConfig) -> dict[str, float]:  # a calibration copy (atoll.client.calibrate)
-            job = submit(config)
-            try:
-                job.step(example_input, example_target)  # the first step warms up
-                walls = []
-                for _ in range(calibrate.CALIBRATION_STEPS - 1):
-                    started = time.perf_counter()
-                    job.step(example_input, example_target)
-                    walls.append(time.perf_counter() - started)
-                summary = job.timeline(last=calibrate.CALIBRATION_STEPS - 1).summary
-                return calibrate.costs_of(summary, statistics.median(walls))
-            finally:
-                job.close()
-
         if config.schedule == "auto" and not config.schedule_costs:
-            config = dataclasses.replace(config, schedule_costs=self._schedule_costs(config, run_copy))
+            costs = self._schedule_costs(config, submit, (example_input, example_target))
+            config = dataclasses.replace(config, schedule_costs=costs)
         job = submit(config)
         for warning in job.plan.report.get("warnings", ()):  # e.g. layers tensor parallelism left whole
             warnings.warn(warning, stacklevel=3)
         return job
 
-    def _schedule_costs(self, config: JobConfig, run_copy) -> dict[str, float]:
+    def _schedule_costs(self, config: JobConfig, submit, batch: tuple) -> dict[str, float]:
         """schedule="auto": each stage's action costs, measured on calibration copies of the job."""
-        return calibrate.measured_costs(run_copy, config)
+        return calibrate.combined(calibrate.run_copies(submit, calibrate.calibration_configs(config), batch))
 
     def parameter_server(self, model: nn.Module, *, example_input, example_target, loss_fn, **settings):
         """A parameter-server job (atoll.client.parameter_server): ``servers`` workers hold the
