@@ -423,16 +423,26 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
 
 def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     """atoll's schedule="auto" (one chunk per worker): what it chose, its predicted step time
-    against the measured one, and, for the candidates this run also measured, their rates."""
+    against the measured one, and every candidate measured beside it: all loaded at once and
+    run in turn, a round of each per round, so that the machine's drift (tens of percent over
+    minutes on a busy 2-core machine) falls on all alike; the rows above were measured minutes
+    apart and are listed as they were."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)
-    try:
-        rates = [atoll.run(args.steps)[0] for _ in range(args.rounds)]
-        choice = atoll.job.plan.report["schedule_choice"]
-    finally:
-        atoll.close()
-    measured_step = 1 / median(rates)
+    choice = atoll.job.plan.report["schedule_choice"]
     predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
-    others = {r["schedule"]: r["atoll_steps_per_s"] for r in rows if r["schedule"] in predicted}
+    sides = {"auto": atoll}
+    try:
+        for name in predicted:
+            sides[name] = AtollSide(client, model, batches, args, name, 1)
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.rounds):
+            for name, side in sides.items():
+                rates[name].append(side.run(args.steps)[0])
+    finally:
+        for side in sides.values():
+            side.close()
+    measured_step = 1 / median(rates["auto"])
+    beside = {name: round(median(r), 3) for name, r in rates.items() if name != "auto"}
     row = {
         "chosen": choice["chosen"],
         "why": choice["why"],
@@ -440,10 +450,13 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         "measured_step_s": round(measured_step, 5),
         "predicted_over_measured": round(predicted[choice["chosen"]] / measured_step, 3),
         "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
-        "measured_steps_per_s_by_candidate": others,
+        "measured_steps_per_s_by_candidate_in_turn": beside,
+        "measured_steps_per_s_by_candidate_in_rows": {
+            r["schedule"]: r["atoll_steps_per_s"] for r in rows if r["schedule"] in predicted
+        },
+        # how far the chosen one (the auto job itself) measured from the fastest candidate beside it
+        "chosen_vs_fastest_measured": round(median(rates["auto"]) / max(beside.values()), 3),
     }
-    if others:  # how far the chosen one measured from the fastest candidate measured in this run
-        row["chosen_vs_fastest_measured"] = round(others.get(choice["chosen"], median(rates)) / max(others.values()), 3)
     return row
 
 

@@ -49,7 +49,10 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1 and gpipe, measured beside its prediction
     assert set(auto["predicted_step_s_by_candidate"]) == {"1f1b", "zb_h1", "gpipe"}
     assert auto["chosen"] in auto["predicted_step_s_by_candidate"] and auto["measured_step_s"] > 0
-    assert auto["measured_steps_per_s_by_candidate"] == {"gpipe": report["rows"][0]["atoll_steps_per_s"]}
+    assert auto["measured_steps_per_s_by_candidate_in_rows"] == {"gpipe": report["rows"][0]["atoll_steps_per_s"]}
+    in_turn = auto["measured_steps_per_s_by_candidate_in_turn"]  # every candidate, beside the auto job
+    assert set(in_turn) == {"1f1b", "zb_h1", "gpipe"} and min(in_turn.values()) > 0
+    assert auto["chosen_vs_fastest_measured"] > 0
 
 
 def test_dispatch_benchmarks_simulated_workers_register_load_and_step():

@@ -110,11 +110,10 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
     step = f"{best.predicted_step_s:.4g}{unit} ({best.predicted_bubble_fraction:.1%} bubble)"
     if not others:
         why = f"{best.schedule}: the only candidate, {step}"
-    elif best is not fastest or others[0].predicted_step_s <= best.predicted_step_s * (1 + TIE):
-        tied = fastest if best is not fastest else others[0]
+    elif best is not fastest:
         why = (
-            f"{best.schedule}: predicted {step}, within {TIE:.0%} of {tied.schedule} "
-            f"({tied.predicted_step_s:.4g}{unit}), and listed before it"
+            f"{best.schedule}: predicted {step}, within {TIE:.0%} of {fastest.schedule} "
+            f"({fastest.predicted_step_s:.4g}{unit}), and listed before it"
         )
     else:
         runner = others[0]
