@@ -55,12 +55,13 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     8 x 8, multi-tensor: SGD 29-30 against 57-67 us a step, AdamW 217-232 against 256-280). A torch
     without that wrapper, or a hook registered: the plain call."""
     raw = getattr(type(optimizer).step, "__wrapped__", None)
-    if raw is None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_hooks():
+    hooked = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    if raw is None or hooked or any(map(bool, _GLOBAL_HOOKS)):
         optimizer.step()
     else:
         raw(optimizer)
 
 
-def _global_hooks() -> bool:
-    hooks = (getattr(torch_optimizer, f"_global_optimizer_{when}_hooks", True) for when in ("pre", "post"))
-    return any(map(bool, hooks))
+# torch's tables of hooks registered for every optimizer, looked up once: registering fills them in
+# place. A torch without them counts as hooked (a truthy stand-in), so the plain call is made.
+_GLOBAL_HOOKS = tuple(getattr(torch_optimizer, f"_global_optimizer_{when}_hooks", True) for when in ("pre", "post"))

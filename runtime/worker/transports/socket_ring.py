@@ -66,6 +66,7 @@ class SocketRing:
         self._queue: collections.deque[_Reduction] = collections.deque()
         self._lock = threading.Lock()  # one thread runs the ring at a time
         self._broken = ""
+        self._scratch = torch.empty(0)  # the incoming chunk, kept between all-reduces (the same sizes every step)
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> _Reduction:
         """Sum each tensor in place across the replicas (one ring for all of them), once waited for."""
@@ -94,7 +95,7 @@ class SocketRing:
         n, rank = self.world_size, self.rank
         flat = torch.cat([t.reshape(-1) for t in tensors])
         chunks = flat.tensor_split(n)
-        scratch = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype)
+        scratch = self._scratch_for(max(c.numel() for c in chunks), flat.dtype)
         for k in range(n - 1):  # reduce-scatter: after it, chunk rank + 1 holds every replica's sum
             mine, theirs = chunks[(rank - k) % n], chunks[(rank - k - 1) % n]
             incoming = scratch[: theirs.numel()]
@@ -106,6 +107,11 @@ class SocketRing:
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+    def _scratch_for(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._scratch.numel() < numel or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(numel, dtype=dtype)
+        return self._scratch
 
     def _exchange(self, outgoing: torch.Tensor, incoming: torch.Tensor, tag: int, deadline: float) -> None:
         """Send ``outgoing`` to the right neighbour while receiving ``incoming`` from the left: the
