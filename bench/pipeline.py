@@ -14,6 +14,8 @@ the physical limit: the busiest rank's forward and backward work per microbatch 
 microbatches, as steps per second, and atoll's share of it; measured with each rank's work in a
 process alone, and again with all ranks' at once (``contended_limit``: what the ranks pay for
 sharing the machine's memory and cache; bench/stage_limit.py), with both sides' share of that.
+The limit is measured in every round, after the two sides' rates, and each share is the median
+of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
 
 On CPU, both sides train the same GPT-style model (examples/gpt.py), or with ``--model mlp`` an MLP
 (8 x Linear(1024, 1024) + GELU, then a head), from the same initial weights, with the same stage
@@ -60,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
-from stage_limit import WINDOW_S, daemon_malloc, rank_costs  # noqa: E402
+from stage_limit import WINDOW_S, RankCosts, daemon_malloc  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
@@ -364,7 +366,11 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         peer = TorchSide(args, schedule, virtual, atoll.stage_blocks)
         name, steps_key = "torch", "torch_pipelining_steps_per_s"
     cpu = CpuMeter(atoll_pids), CpuMeter({f"rank{r}": p.pid for r, p in enumerate(getattr(peer, "procs", []))})
+    limit, limits = None, []  # on CPU: the physical limit, measured in every round beside the rates
     try:
+        if args.device == "cpu":
+            ranks_stages = [stage_ids(r, args.ranks, schedule, virtual) for r in range(args.ranks)]
+            limit = RankCosts(make_setup, loss_of(args), args, atoll.stage_blocks, ranks_stages)
         rounds, waiting = [], []
         for _ in range(args.rounds):
             cpu[0].start()
@@ -375,6 +381,8 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
+            if limit is not None:
+                limits.append(limit.measure(args.limit_window_s))
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
             rounds.append((a_rate, p_rate, t_rate))
@@ -383,6 +391,8 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         memory = atoll.job.last.memory
         atoll.close()
         peer.close()
+        if limit is not None:
+            limit.close()
     row = {
         "schedule": schedule,
         "virtual_stages": virtual,
@@ -406,16 +416,21 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
-        # another with no bubble, measured with each rank alone and with all at once (stage_limit.py)
-        ranks_stages = [stage_ids(r, args.ranks, schedule, virtual) for r in range(args.ranks)]
-        measured = rank_costs(make_setup, loss_of(args), args, atoll.stage_blocks, ranks_stages, args.limit_window_s)
-        for key, costs in zip(("physical_limit", "contended_limit"), measured):
-            row[f"{key}_ms_per_microbatch_per_rank"] = [round(c * 1e3, 2) for c in costs]
-            row[f"{key}_steps_per_s"] = round(1 / (max(costs) * args.microbatches), 3)
-        row["atoll_share_of_limit"] = round(row["atoll_steps_per_s"] / row["physical_limit_steps_per_s"], 3)
-        row["atoll_async_share_of_limit"] = round(row["atoll_async_steps_per_s"] / row["physical_limit_steps_per_s"], 3)
-        row["atoll_share_of_contended_limit"] = round(row["atoll_steps_per_s"] / row["contended_limit_steps_per_s"], 3)
-        row["torch_share_of_contended_limit"] = round(row[steps_key] / row["contended_limit_steps_per_s"], 3)
+        # another with no bubble, measured with each rank alone and with all at once
+        # (stage_limit.py), in every round; each share is the median of the rounds' own
+        for i, key in enumerate(("physical_limit", "contended_limit")):
+            per_round = [costs[i] for costs in limits]
+            row[f"{key}_ms_per_microbatch_per_rank"] = [round(median(list(c)) * 1e3, 2) for c in zip(*per_round)]
+            rates = [1 / (max(costs) * args.microbatches) for costs in per_round]
+            row[f"{key}_steps_per_s"] = round(median(rates), 3)
+            row[f"{key}_steps_per_s_per_round"] = [round(r, 3) for r in rates]
+            if key == "physical_limit":
+                row["atoll_share_of_limit"] = round(median([a / r for (a, _, _), r in zip(rounds, rates)]), 3)
+                row["atoll_async_share_of_limit"] = round(median([p / r for (_, p, _), r in zip(rounds, rates)]), 3)
+                row["torch_share_of_limit"] = round(median([t / r for (_, _, t), r in zip(rounds, rates)]), 3)
+            else:
+                row["atoll_share_of_contended_limit"] = round(median([a / r for (a, _, _), r in zip(rounds, rates)]), 3)
+                row["torch_share_of_contended_limit"] = round(median([t / r for (_, _, t), r in zip(rounds, rates)]), 3)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
@@ -443,19 +458,26 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
             side.close()
     measured_step = 1 / median(rates["auto"])
     beside = {name: round(median(r), 3) for name, r in rates.items() if name != "auto"}
+    chosen = choice["chosen"]
+    # The chosen schedule ran twice (the auto job and its copy among the candidates): both its
+    # measurements count for it against each other candidate's, so the check compares schedules,
+    # and the two copies' gap (same schedule, same machine) shows the noise it is read against.
+    chosen_rate = median(rates["auto"] + rates[chosen])
+    others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
     row = {
-        "chosen": choice["chosen"],
+        "chosen": chosen,
         "why": choice["why"],
-        "predicted_step_s": round(predicted[choice["chosen"]], 5),
+        "predicted_step_s": round(predicted[chosen], 5),
         "measured_step_s": round(measured_step, 5),
-        "predicted_over_measured": round(predicted[choice["chosen"]] / measured_step, 3),
+        "predicted_over_measured": round(predicted[chosen] / measured_step, 3),
         "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
         "measured_steps_per_s_by_candidate_in_turn": beside,
         "measured_steps_per_s_by_candidate_in_rows": {
             r["schedule"]: r["atoll_steps_per_s"] for r in rows if r["schedule"] in predicted
         },
-        # how far the chosen one (the auto job itself) measured from the fastest candidate beside it
-        "chosen_vs_fastest_measured": round(median(rates["auto"]) / max(beside.values()), 3),
+        # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
+        "chosen_vs_fastest_measured": round(chosen_rate / max([chosen_rate, *others]), 3),
+        "auto_job_vs_same_schedule_beside": round(median(rates["auto"]) / median(rates[chosen]), 3),
     }
     return row
 
@@ -477,7 +499,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--limit-window-s", type=float, default=WINDOW_S, help="CPU: seconds per limit measurement")
+    parser.add_argument(
+        "--limit-window-s", type=float, default=WINDOW_S, help="CPU: seconds per limit measurement, one a round"
+    )
     parser.add_argument(
         "--mps", action="store_true", help="with --device cuda: the workers share the GPU through CUDA MPS"
     )

@@ -32,8 +32,9 @@ def daemon_malloc():
     return mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", "")))
 
 
-WINDOW_S = 1.5
-"""How long a rank repeats its work per measurement (at least 4 times)."""
+WINDOW_S = 0.5
+"""How long a rank repeats its work per measurement (at least 4 times); bench/pipeline.py
+measures once per round, and takes the median over the rounds."""
 
 
 def _rank_loop(setup, loss_fn, args, stage_blocks, mine, last, commands, results, rank):
@@ -66,35 +67,52 @@ def _rank_loop(setup, loss_fn, args, stage_blocks, mine, last, commands, results
         results.put((rank, statistics.median(runs[1:])))
 
 
-def rank_costs(setup, loss_fn, args, stage_blocks, ranks_stages: list[list[int]], window_s: float = WINDOW_S):
-    """Seconds of each rank's work per microbatch (its stages' forward and backward), measured in
-    one process per rank: ``(alone, together)``, each a list by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    last = len(stage_blocks) - 1
-    commands = [ctx.Queue() for _ in ranks_stages]
-    procs = [
-        ctx.Process(target=_rank_loop, args=(setup, loss_fn, args, stage_blocks, mine, last, commands[r], results, r))
-        for r, mine in enumerate(ranks_stages)
-    ]
-    with daemon_malloc():
-        for p in procs:
-            p.start()
-    try:
-        for _ in procs:
-            results.get(timeout=300)  # every process ready
+class RankCosts:
+    """One process per rank, kept up so the limit can be measured again between a benchmark's
+    rounds (the machine's speed drifts by tens of percent over minutes: a limit measured once,
+    minutes from the rates it is set against, moved atoll's share of it by as much). Each
+    ``measure`` returns the seconds of each rank's work per microbatch (its stages' forward and
+    backward): ``(alone, together)``, each a list by rank."""
+
+    def __init__(self, setup, loss_fn, args, stage_blocks, ranks_stages: list[list[int]]):
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        last = len(stage_blocks) - 1
+        self.commands = [ctx.Queue() for _ in ranks_stages]
+        self.procs = [
+            ctx.Process(
+                target=_rank_loop,
+                args=(setup, loss_fn, args, stage_blocks, mine, last, self.commands[r], self.results, r),
+            )
+            for r, mine in enumerate(ranks_stages)
+        ]
+        with daemon_malloc():
+            for p in self.procs:
+                p.start()
+        try:
+            for _ in self.procs:
+                self.results.get(timeout=300)  # every process ready
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self, window_s: float = WINDOW_S) -> tuple[list[float], list[float]]:
         alone = {}
-        for queue in commands:  # one at a time
+        for queue in self.commands:  # one at a time
             queue.put(window_s)
-            alone.update([results.get(timeout=300)])
-        for queue in commands:  # all at once
+            alone.update([self.results.get(timeout=300)])
+        for queue in self.commands:  # all at once
             queue.put(window_s)
-        together = dict(results.get(timeout=300) for _ in procs)
-        for queue in commands:
-            queue.put(None)
-    finally:
-        for p in procs:
+        together = dict(self.results.get(timeout=300) for _ in self.procs)
+        ranks = range(len(self.procs))
+        return [alone[r] for r in ranks], [together[r] for r in ranks]
+
+    def close(self) -> None:
+        for queue, p in zip(self.commands, self.procs):
+            if p.is_alive():
+                queue.put(None)
+        for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return [alone[r] for r in range(len(procs))], [together[r] for r in range(len(procs))]
+                p.join(timeout=10)

@@ -18,6 +18,7 @@ text, and stops every process it started.
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 from pathlib import Path
@@ -83,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         "--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, bfloat16 between stages"
     )
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--in-flight", type=int, default=2,
+        help="steps sent before the oldest one's loss is awaited (1: each step waits for the one before)",
+    )  # fmt: skip
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} "
             f"does not divide --workers {args.workers}"
         )
+    if args.in_flight < 1:
+        parser.error("--in-flight: 1 or more steps")
     if args.reshard_after_forward and args.zero != 3:
         parser.error("--reshard-after-forward frees ZeRO-3's gathered parameters: give --zero 3")
     if args.zero and args.data_parallel < 2:
@@ -143,9 +150,16 @@ def main(argv: list[str] | None = None) -> None:
         losses = []
         t0 = time.monotonic()
         progress = Progress(args.steps)
+        # Sending the next step before the last one's loss is back keeps the workers busy while
+        # the loss travels back and the next step is dispatched; steps still run in order, each
+        # on the weights the one before left, so the losses are those of one step at a time.
+        sent: collections.deque = collections.deque()
+        job.max_in_flight = max(job.max_in_flight, args.in_flight)
         for step in range(1, args.steps + 1):
-            losses.append(job.step(*corpus.batch(args.batch, cfg.block_size, data)))
-            progress.update(step, losses[-1])
+            sent.append(job.step_async(*corpus.batch(args.batch, cfg.block_size, data)))
+            while sent and (len(sent) >= args.in_flight or step == args.steps):
+                losses.append(sent.popleft().result())
+                progress.update(len(losses), losses[-1])
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         print(
             f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "

@@ -39,10 +39,16 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert set(row["torch_cpu_ms_per_step"]) == {"rank0", "rank1", "total"}
         for limit in ("physical_limit", "contended_limit"):  # each rank's work alone, then all at once
             assert len(row[f"{limit}_ms_per_microbatch_per_rank"]) == 2 and row[f"{limit}_steps_per_s"] > 0
+            assert len(row[f"{limit}_steps_per_s_per_round"]) == 1  # measured in every round
         for side in ("atoll_cpu_ms_per_step", "torch_cpu_ms_per_step"):  # /proc counts 10 ms ticks: may read 0
             parts = [v for k, v in row[side].items() if k != "total"]
             assert min(parts) >= 0 and row[side]["total"] == pytest.approx(sum(parts), abs=0.05)
         assert row["physical_limit_steps_per_s"] > 0
+        # one round: each share is that round's rate over that round's limit
+        assert row["atoll_share_of_limit"] == pytest.approx(
+            row["atoll_steps_per_s"] / row["physical_limit_steps_per_s"],
+            rel=1e-2,  # each rounded to 3 places
+        )
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("gpipe", "zbv")
     assert report["best"]["atoll_async"]["schedule"] in ("gpipe", "zbv") and report["best"]["torch"]["steps_per_s"] > 0
@@ -52,7 +58,7 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     assert auto["measured_steps_per_s_by_candidate_in_rows"] == {"gpipe": report["rows"][0]["atoll_steps_per_s"]}
     in_turn = auto["measured_steps_per_s_by_candidate_in_turn"]  # every candidate, beside the auto job
     assert set(in_turn) == {"1f1b", "zb_h1", "gpipe"} and min(in_turn.values()) > 0
-    assert auto["chosen_vs_fastest_measured"] > 0
+    assert 0 < auto["chosen_vs_fastest_measured"] <= 1 and auto["auto_job_vs_same_schedule_beside"] > 0
 
 
 def test_dispatch_benchmarks_simulated_workers_register_load_and_step():

@@ -22,10 +22,11 @@ import time
 from atoll.core.config import JobConfig
 from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
 
-CALIBRATION_STEPS = 6
+CALIBRATION_STEPS = 10
 """Steps each calibration copy trains; the first warms up and is not measured. One step's wall
 time varies by up to 15% from the next on a busy 2-core machine (the MLP job of
-bench/pipeline.py, 2 ranks): the median of five, not the mean of two, is what a prediction
+bench/pipeline.py, 2 ranks: 181-302 ms for 1F1B's 14 steps in one run, with no trend from the
+first steps to the later ones): the median of nine, not the mean of two, is what a prediction
 within 10% needs."""
 
 
