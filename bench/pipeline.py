@@ -441,7 +441,8 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     against the measured one, and every candidate measured beside it: all loaded at once and
     run in turn, a round of each per round, so that the machine's drift (tens of percent over
     minutes on a busy 2-core machine) falls on all alike; the rows above were measured minutes
-    apart and are listed as they were."""
+    apart and are listed as they were. The chosen schedule's measured step is the median of
+    both its copies' rounds (the auto job's own is given beside it)."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)
     choice = atoll.job.plan.report["schedule_choice"]
     predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
@@ -456,20 +457,21 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     finally:
         for side in sides.values():
             side.close()
-    measured_step = 1 / median(rates["auto"])
     beside = {name: round(median(r), 3) for name, r in rates.items() if name != "auto"}
     chosen = choice["chosen"]
     # The chosen schedule ran twice (the auto job and its copy among the candidates): both its
-    # measurements count for it against each other candidate's, so the check compares schedules,
-    # and the two copies' gap (same schedule, same machine) shows the noise it is read against.
+    # measurements count for it, against its prediction and against each other candidate, so
+    # the check compares schedules; the two copies' gap (same schedule, same machine, same
+    # rounds) shows the noise both are read against.
     chosen_rate = median(rates["auto"] + rates[chosen])
     others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
     row = {
         "chosen": chosen,
         "why": choice["why"],
         "predicted_step_s": round(predicted[chosen], 5),
-        "measured_step_s": round(measured_step, 5),
-        "predicted_over_measured": round(predicted[chosen] / measured_step, 3),
+        "measured_step_s": round(1 / chosen_rate, 5),
+        "predicted_over_measured": round(predicted[chosen] * chosen_rate, 3),
+        "predicted_over_measured_auto_job_alone": round(predicted[chosen] * median(rates["auto"]), 3),
         "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
         "measured_steps_per_s_by_candidate_in_turn": beside,
         "measured_steps_per_s_by_candidate_in_rows": {
