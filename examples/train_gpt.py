@@ -1,7 +1,8 @@
 """Main job: train a small GPT-style character model across a 4-stage pipeline on a local cluster.
 
-    python examples/train_gpt.py                  # 4 workers, 1F1B, 300 steps
+    python examples/train_gpt.py                  # 4 workers, 1F1B, 300 steps, 2 a call, 2 calls in flight
     python examples/train_gpt.py --schedule gpipe --steps 50
+    python examples/train_gpt.py --steps-per-call 1 --in-flight 1   # one step at a time, each awaited
     python examples/train_gpt.py --data-parallel 2   # 2 replicas of a 2-stage pipeline
     python examples/train_gpt.py --data-parallel 2 --zero   # ... with ZeRO-1
     python examples/train_gpt.py --data-parallel 2 --zero 3 --reshard-after-forward   # ZeRO-3, gathers per stage
@@ -85,8 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
+        "--steps-per-call", type=int, default=2,
+        help="steps sent to the controller in one call (job.steps_async): the control plane's cost is paid per call",
+    )  # fmt: skip
+    parser.add_argument(
         "--in-flight", type=int, default=2,
-        help="steps sent before the oldest one's loss is awaited (1: each step waits for the one before)",
+        help="calls sent before the oldest one's losses are awaited (1: each call waits for the one before)",
     )  # fmt: skip
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
     parser.add_argument("--virtual-stages", type=int, default=1)
@@ -102,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
             f"--data-parallel {args.data_parallel} x --tensor-parallel {args.tensor_parallel} "
             f"does not divide --workers {args.workers}"
         )
-    if args.in_flight < 1:
-        parser.error("--in-flight: 1 or more steps")
+    if args.in_flight < 1 or args.steps_per_call < 1:
+        parser.error("--in-flight and --steps-per-call: 1 or more")
     if args.reshard_after_forward and args.zero != 3:
         parser.error("--reshard-after-forward frees ZeRO-3's gathered parameters: give --zero 3")
     if args.zero and args.data_parallel < 2:
@@ -150,16 +155,22 @@ def main(argv: list[str] | None = None) -> None:
         losses = []
         t0 = time.monotonic()
         progress = Progress(args.steps)
-        # Sending the next step before the last one's loss is back keeps the workers busy while
-        # the loss travels back and the next step is dispatched; steps still run in order, each
-        # on the weights the one before left, so the losses are those of one step at a time.
+        # Steps go out a few to a call, and the next call before the last one's losses are back:
+        # the workers stay busy while losses travel back and the next steps are dispatched, and
+        # the control plane's per-call cost is shared by the call's steps. Steps still run one
+        # at a time in order, each on the weights the one before left: the losses are those of
+        # `--steps-per-call 1 --in-flight 1`, one synchronous step after another.
         sent: collections.deque = collections.deque()
         job.max_in_flight = max(job.max_in_flight, args.in_flight)
-        for step in range(1, args.steps + 1):
-            sent.append(job.step_async(*corpus.batch(args.batch, cfg.block_size, data)))
-            while sent and (len(sent) >= args.in_flight or step == args.steps):
-                losses.append(sent.popleft().result())
-                progress.update(len(losses), losses[-1])
+        while len(losses) < args.steps:
+            unsent = args.steps - len(losses) - len(sent)
+            if unsent and len(sent) <= (args.in_flight - 1) * args.steps_per_call:  # room for a call
+                count = min(args.steps_per_call, unsent)
+                batches = [corpus.batch(args.batch, cfg.block_size, data) for _ in range(count)]
+                sent.extend(job.steps_async(batches) if len(batches) > 1 else [job.step_async(*batches[0])])
+                continue
+            losses.append(sent.popleft().result())
+            progress.update(len(losses), losses[-1])
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         print(
             f"loss: first 5 steps {first:.3f} -> last 5 steps {last:.3f} "
