@@ -418,19 +418,18 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
         # another with no bubble, measured with each rank alone and with all at once
         # (stage_limit.py), in every round; each share is the median of the rounds' own
-        for i, key in enumerate(("physical_limit", "contended_limit")):
+        shares = {  # each side's share: its index in a round's (atoll, atoll async, torch) rates
+            "physical_limit": {"atoll_share_of_limit": 0, "atoll_async_share_of_limit": 1, "torch_share_of_limit": 2},
+            "contended_limit": {"atoll_share_of_contended_limit": 0, "torch_share_of_contended_limit": 2},
+        }
+        for i, (key, sides) in enumerate(shares.items()):
             per_round = [costs[i] for costs in limits]
             row[f"{key}_ms_per_microbatch_per_rank"] = [round(median(list(c)) * 1e3, 2) for c in zip(*per_round)]
             rates = [1 / (max(costs) * args.microbatches) for costs in per_round]
             row[f"{key}_steps_per_s"] = round(median(rates), 3)
             row[f"{key}_steps_per_s_per_round"] = [round(r, 3) for r in rates]
-            if key == "physical_limit":
-                row["atoll_share_of_limit"] = round(median([a / r for (a, _, _), r in zip(rounds, rates)]), 3)
-                row["atoll_async_share_of_limit"] = round(median([p / r for (_, p, _), r in zip(rounds, rates)]), 3)
-                row["torch_share_of_limit"] = round(median([t / r for (_, _, t), r in zip(rounds, rates)]), 3)
-            else:
-                row["atoll_share_of_contended_limit"] = round(median([a / r for (a, _, _), r in zip(rounds, rates)]), 3)
-                row["torch_share_of_contended_limit"] = round(median([t / r for (_, _, t), r in zip(rounds, rates)]), 3)
+            for name, side in sides.items():
+                row[name] = round(median([measured[side] / r for measured, r in zip(rounds, rates)]), 3)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
