@@ -34,9 +34,11 @@ more processes than cores, the rates follow it. Nothing here asserts on time.
 
 With ``--device cuda`` the peer is the same model trained in one process on the same GPU (same
 microbatches, optimizer and batches; no pipeline, so no bubble): ratio = atoll / single process.
-The atoll workers all share that GPU and talk over CUDA IPC; with ``--mps`` they share it through
-a CUDA MPS daemon of the cluster's own (``LocalCluster(cuda_mps=True)``), so their kernels overlap
-instead of taking turns (the single process is no MPS client: it has the GPU to itself). The
+The atoll workers all share that GPU and talk over CUDA IPC; by default (``--mps auto``, as
+``LocalCluster``) they share it through a CUDA MPS daemon of the cluster's own where the driver
+ships one, so their kernels overlap instead of taking turns; ``--mps off`` measures them taking
+turns (the single process is no MPS client: it has the GPU to itself). ``cuda_mps`` in the report
+says which ran. The
 report adds each rank's measured waiting fraction (time blocked on the data plane over the step's wall time).
 """
 
@@ -504,11 +506,14 @@ def main() -> None:
         "--limit-window-s", type=float, default=WINDOW_S, help="CPU: seconds per limit measurement, one a round"
     )
     parser.add_argument(
-        "--mps", action="store_true", help="with --device cuda: the workers share the GPU through CUDA MPS"
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="with --device cuda: the workers share the GPU through CUDA MPS (auto: LocalCluster's default)",
     )
     args = parser.parse_args()
-    if args.mps and args.device != "cuda":
-        parser.error("--mps needs --device cuda")
+    if args.mps == "on" and args.device != "cuda":
+        parser.error("--mps on needs --device cuda")
     args.threads = max(1, (os.cpu_count() or 1) // args.ranks)
     if args.device == "cuda" and args.threads > 4:
         args.threads = 4  # the GPU does the work; more host threads per worker only contend
@@ -518,10 +523,14 @@ def main() -> None:
     devices = ["cuda:0"] * args.ranks if args.device == "cuda" else None
     with (
         atoll.LocalCluster(
-            workers=args.ranks, threads_per_worker=args.threads, devices=devices, cuda_mps=args.mps
+            workers=args.ranks,
+            threads_per_worker=args.threads,
+            devices=devices,
+            cuda_mps={"auto": None, "on": True, "off": False}[args.mps],
         ) as cluster,
         cluster.client() as client,
     ):
+        mps_running = cluster.mps_running
         schedules = args.schedules.split(",")
         if "dualpipev" in schedules and args.microbatches < 2 * args.ranks:  # as torch, atoll refuses it
             print(f"dualpipev left out: it needs {2 * args.ranks} microbatches or more", file=sys.stderr)
@@ -552,7 +561,7 @@ def main() -> None:
                 "benchmark": "pipeline",
                 "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 "peer": "one process on the same GPU" if args.device == "cuda" else "torch.distributed.pipelining",
-                "cuda_mps": args.mps,
+                "cuda_mps": mps_running,
                 "dtype": args.dtype,
                 "block_size": args.block_size,
                 "ranks": args.ranks,

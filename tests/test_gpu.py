@@ -9,6 +9,7 @@ the order of floating-point accumulation, and the GPU's reductions are not order
 import copy
 import datetime
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -37,8 +38,10 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    """Four workers on one GPU (NCCL cannot pair ranks there; CUDA IPC can)."""
+    """Four workers on one GPU (NCCL cannot pair ranks there; CUDA IPC can), as LocalCluster
+    starts them by default: under a CUDA MPS daemon of its own where the driver ships one."""
     with atoll.LocalCluster(workers=RANKS, devices=["cuda:0"] * RANKS, threads_per_worker=1) as cluster:
+        assert cluster.mps_running == (shutil.which("nvidia-cuda-mps-control") is not None)
         yield cluster
 
 
@@ -92,8 +95,13 @@ def _bench(script: str, *args: str) -> str:
 
 
 def report(name: str, **values) -> None:
-    """One line per figure the closing note quotes (run pytest with -s to see them)."""
-    print(f"\nGPU-REPORT {name} {json.dumps(values)}")
+    """One line per figure the closing note quotes: printed (pytest -s) and, where
+    $ATOLL_GPU_REPORT names a file, appended to it (pytest-xdist's workers print nowhere)."""
+    line = f"GPU-REPORT {name} {json.dumps(values)}"
+    print(f"\n{line}")
+    if os.environ.get("ATOLL_GPU_REPORT"):
+        with open(os.environ["ATOLL_GPU_REPORT"], "a") as f:
+            f.write(line + "\n")
 
 
 def test_four_workers_on_one_gpu_1f1b_over_cuda_ipc_match_single_process_cuda(gpu_client):
@@ -118,6 +126,26 @@ def test_four_workers_on_one_gpu_1f1b_over_cuda_ipc_match_single_process_cuda(gp
         assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
         # the allocator also holds temporaries the plan does not stash, so it can only see more
         assert allocator >= 0.95 * counted, f"rank {rank}: allocator peak {allocator} < counted {counted}"
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_zero_bubble_schedules_on_one_gpu_match_single_process_cuda(gpu_client, schedule):
+    """Backwards split into I and W (issue 27) on CUDA workers: ZB-H1 on 4 stages, ZBV on 8 (two
+    chunks per worker in a V, its turn a local hand-off), against one CUDA process."""
+    model, batches = gpt(layers=4, steps=3)
+    chunks = 1 if schedule == "zb_h1" else 2
+    plan, losses, state, memory = train_atoll(
+        gpu_client, model, batches, schedule=schedule, virtual_stages=chunks, optimizer="adamw", optimizer_args=ADAMW
+    )
+    assert "0I0" in plan.actions[0] and "0W0" in plan.actions[0]
+    assert {e["transport"] for e in plan.report["edges"]} <= {"cuda_ipc", "local"}
+    ref_losses, ref_state = reference_cuda(model, batches, "adamw", ADAMW)
+    report(f"parity_{schedule}", losses=losses, reference=ref_losses)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
+    for rank in range(RANKS):
+        predicted, counted = plan.predicted_memory[rank]["total"], memory[rank]["peak"]["total"]
+        report(f"memory_{schedule}", rank=rank, predicted=predicted, counted=counted)
+        assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
 
 
 def test_bf16_pipeline_on_one_gpu_trains(gpu_client):
@@ -217,14 +245,17 @@ def test_counters_probe_runs_at_its_smallest_size():
     assert row["whole"] and row["gbps"] > 0
 
 
-def test_events_ordering_trains_like_single_process_cuda(monkeypatch):
-    """The ordering used where the driver lacks stream memory operations, forced in the workers."""
+@pytest.mark.parametrize("ordering", ["flags", "events"])
+def test_each_ordering_without_mps_trains_like_single_process_cuda(monkeypatch, ordering):
+    """Workers taking turns on the GPU (cuda_mps=False), each cuda_ipc ordering forced in them:
+    counters (the choice outside MPS) and events (where the driver lacks stream memory operations)."""
     from atoll.worker.transports.cuda_marks import ORDERING_ENV
 
-    monkeypatch.setenv(ORDERING_ENV, "events")
+    monkeypatch.setenv(ORDERING_ENV, ordering)
     model, batches = gpt(layers=2, steps=3)
     args = {"lr": 0.05, "momentum": 0.9}
-    with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1) as cluster:
+    with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1, cuda_mps=False) as cluster:
+        assert not cluster.mps_running
         with cluster.client() as client:
             _, losses, state, _ = train_atoll(
                 client, model, batches, stages=2, microbatches=4, optimizer="sgd", optimizer_args=args
@@ -293,6 +324,7 @@ def test_workers_sharing_a_gpu_through_their_own_mps_daemon_match_single_process
     model, batches = gpt(layers=2, steps=3)
     args = {"lr": 0.05, "momentum": 0.9}
     with atoll.LocalCluster(workers=2, devices=["cuda:0"] * 2, threads_per_worker=1, cuda_mps=True) as cluster:
+        assert cluster.mps_running
         pipe_dir = cluster.log_dir / "mps" / "pipe"
         with cluster.client() as client:
             job = submit_gpt(client, model, batches, stages=2, microbatches=4, optimizer="sgd", optimizer_args=args)

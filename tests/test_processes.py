@@ -1,7 +1,11 @@
 """Every process a LocalCluster starts is stopped by PID, on a clean exit and on an error."""
 
+import ctypes
 import os
 import shutil
+import signal
+import sys
+import time
 
 import pytest
 
@@ -40,3 +44,24 @@ def test_local_cluster_stops_everything_when_the_body_raises(capfd):
         assert line.endswith(f"its logs are kept in {cluster.log_dir}"), line
     finally:
         shutil.rmtree(cluster.log_dir, ignore_errors=True)
+
+
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or SYS_TGKILL is None, reason="tgkill: Linux x86-64/arm64")
+def test_a_daemon_stops_on_a_sigterm_that_another_of_its_threads_took():
+    """The kernel may hand a process's SIGTERM to any thread; CPython only runs the handler on
+    the main thread, which must wake for it (CUDA workers on an H100 did not, until SIGKILL).
+    Here the signal goes to one of each daemon's other threads on purpose (tgkill)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with atoll.LocalCluster(workers=1, threads_per_worker=1) as cluster:
+        daemons = [cluster.workers[0], cluster.controller]
+        for proc in daemons:
+            others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+            assert others, "a daemon serves gRPC from threads of its own"
+            assert libc.syscall(SYS_TGKILL, proc.pid, others[-1], signal.SIGTERM) == 0, ctypes.get_errno()
+        deadline = time.monotonic() + 20
+        while any(p.poll() is None for p in daemons) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.poll() for p in daemons] == [0, 0]  # a clean stop, not the cluster's SIGKILL

@@ -99,6 +99,16 @@ def test_cuda_mps_is_refused_for_a_cluster_without_cuda_workers():
         atoll.LocalCluster(workers=2, cuda_mps=True)
 
 
+def test_cuda_mps_by_default_only_where_workers_share_a_gpu():
+    from atoll.client.cuda_mps import shares_a_gpu, wanted
+
+    assert shares_a_gpu(["cuda:0", "cuda"]) and shares_a_gpu(["cpu", "cuda:1", "cuda:1"])
+    assert not shares_a_gpu(["cuda:0", "cuda:1"]) and not shares_a_gpu(["cpu", "cpu"])
+    assert not wanted(None, ["cuda:0", "cuda:1"]) and not wanted(False, ["cuda:0", "cuda:0"])
+    assert wanted(True, ["cuda:0", "cuda:1"])  # asked for: also on distinct GPUs
+    assert not atoll.LocalCluster(workers=2).cuda_mps
+
+
 def test_a_cuda_job_on_cpu_workers_is_refused_clearly(client4):
     with pytest.raises(atoll.NotEnoughWorkers, match="needs 2 workers of device kind 'cuda' .* but 0 are alive"):
         submit(client4, stages=2, microbatches=2, device="cuda")

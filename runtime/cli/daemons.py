@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import select
 import signal
 import sys
 import threading
@@ -45,6 +46,29 @@ def interrupt_while_starting() -> None:
         signal.signal(sig, _interrupt)
 
 
+def _wait_for(stop: threading.Event) -> None:
+    """Block the main thread until ``stop`` is set by a signal's handler. The kernel may deliver
+    a process's SIGTERM to any of its threads (CUDA's, gRPC's, autograd's); CPython then only
+    flags it, and the handler runs once the main thread next executes Python. A bare
+    ``stop.wait()`` never wakes for it: on a lent H100, py-spy found CUDA workers still in it
+    3 s after their SIGTERM (LocalCluster then killed them). The wakeup fd is written from
+    whichever thread took the signal, so the main thread's select returns and the handler runs
+    at once."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    previous = signal.set_wakeup_fd(wake_w)
+    try:
+        while not stop.is_set():
+            select.select([wake_r], [], [], 1.0)
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 512)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(wake_r)
+        os.close(wake_w)
+
+
 def serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int | None, banner: str) -> None:
     """Start ``daemon``, announce it (stdout, and ``ready_file``: its address on the first line and,
     with a metrics server, ``metrics HOST:PORT`` on the second), serve until SIGTERM or SIGINT,
@@ -63,7 +87,7 @@ def serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int | 
             with open(tmp, "w") as f:
                 f.write(daemon.address + (f"\nmetrics {metrics}" if metrics else ""))
             os.replace(tmp, ready_file)
-        stop.wait()
+        _wait_for(stop)
     except KeyboardInterrupt:  # SIGTERM or SIGINT while starting (interrupt_while_starting)
         pass
     except BaseException:

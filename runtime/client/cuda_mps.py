@@ -4,7 +4,9 @@ Without MPS a GPU runs one process's context at a time and switches between them
 slices, so four pipeline workers on one GPU take turns even where their work could overlap.
 The MPS server holds one context for all its clients instead. Measured on a lent H200 (GPT,
 8 layers, d_model 512, 4-stage 1F1B over cuda_ipc, `bench/pipeline.py --device cuda`): the
-pipeline ran at 0.83x one process on the same GPU without MPS and 1.04x with it.
+pipeline ran at 0.83x one process on the same GPU without MPS and 1.04x with it; on a lent H100
+(2026-11-27, the same benchmark) 0.74x without and 1.06x with it. So ``LocalCluster`` starts one
+by default where two or more of its workers share a GPU (``wanted``).
 
 A private control daemon per cluster: its pipe and log folders are given to every daemon the
 cluster starts through the environment (CUDA reads them when a process first touches the GPU),
@@ -19,6 +21,23 @@ import subprocess
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+
+
+def shares_a_gpu(devices: list[str]) -> bool:
+    """Whether two or more of these devices name the same GPU ("cuda" is "cuda:0")."""
+    gpus = [d if ":" in d else f"{d}:0" for d in devices if d.startswith("cuda")]
+    return len(set(gpus)) < len(gpus)
+
+
+def wanted(requested: bool | None, devices: list[str]) -> bool:
+    """Whether a cluster of workers on ``devices`` runs them under MPS. ``None`` (the default):
+    where two or more share a GPU and the driver ships MPS's control program; True: always
+    (refused without CUDA workers); False: never."""
+    if requested is None:
+        return shares_a_gpu(devices) and shutil.which(CONTROL) is not None
+    if requested and not any(d.startswith("cuda") for d in devices):
+        raise ValueError("cuda_mps=True needs CUDA workers: devices names none")
+    return requested
 
 
 class CudaMps:

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from atoll.cli.malloc import daemon_malloc_tunables
 from atoll.client.client import Client, connect
 from atoll.client.cuda_mps import CudaMps
+from atoll.client.cuda_mps import wanted as cuda_mps_wanted
 from atoll.client.zygote import ForkedProcess, Zygote
 from atoll.errors import WorkerUnavailable
 from atoll.net.auth import create_token_file
@@ -52,6 +54,9 @@ class LocalCluster:
 
     ``cuda_mps`` starts a private CUDA MPS daemon for the cluster's workers, so workers that
     share a GPU run their kernels side by side instead of taking turns (atoll.client.cuda_mps).
+    By default (None) it does so where two or more workers share a GPU and the driver ships MPS,
+    and goes on without it, with a warning, if the daemon does not start; True insists, False
+    never starts one. ``mps_running`` says which it came to.
 
     ``metrics_port`` (0: a free one) has the controller serve Prometheus metrics at
     ``http://{metrics_address}/metrics``. ``state_dir`` has the controller record its workers and
@@ -75,7 +80,7 @@ class LocalCluster:
         islands: list[str] | None = None,
         metrics_port: int | None = None,
         state_dir: str | os.PathLike | None = None,
-        cuda_mps: bool = False,
+        cuda_mps: bool | None = None,
     ):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -84,9 +89,8 @@ class LocalCluster:
         self.devices = list(devices) if devices is not None else ["cpu"] * workers
         if islands is not None and len(islands) != workers:
             raise ValueError(f"islands names {len(islands)} islands for {workers} workers")
-        if cuda_mps and not any(d.startswith("cuda") for d in self.devices):
-            raise ValueError("cuda_mps=True needs CUDA workers: devices names none")
-        self.cuda_mps = cuda_mps
+        self.cuda_mps = cuda_mps_wanted(cuda_mps, self.devices)
+        self._mps_required = bool(cuda_mps)
         self._mps: CudaMps | None = None
         self.islands = list(islands) if islands is not None else [""] * workers
         self.num_workers = workers
@@ -113,6 +117,20 @@ class LocalCluster:
         self._zygote: Zygote | None = None
         self._logs: list = []
         self._killed: set[int] = set()  # PIDs stopped on purpose (kill_worker): their exit is no error
+
+    @property
+    def mps_running(self) -> bool:
+        """Whether the workers share their GPUs through this cluster's MPS daemon."""
+        return self._mps is not None
+
+    def _start_mps(self) -> CudaMps | None:
+        try:
+            return CudaMps(self.log_dir / "mps")
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            if self._mps_required:
+                raise
+            warnings.warn(f"LocalCluster: workers share a GPU without CUDA MPS, which did not start: {e}", stacklevel=3)
+            return None
 
     @property
     def pids(self) -> list[int]:
@@ -170,7 +188,7 @@ class LocalCluster:
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             if self.cuda_mps:
-                self._mps = CudaMps(self.log_dir / "mps")
+                self._mps = self._start_mps()
             if hasattr(os, "fork") and sys.platform.startswith("linux"):
                 zygote_log = open(self.log_dir / "zygote.log", "w")
                 self._logs.append(zygote_log)
