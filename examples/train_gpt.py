@@ -2,6 +2,8 @@
 
     python examples/train_gpt.py                  # 4 workers, 1F1B, 300 steps, 2 a call, 2 calls in flight
     python examples/train_gpt.py --schedule gpipe --steps 50
+    python examples/train_gpt.py --schedule zbv --microbatches 8   # zero-bubble V: 2 chunks per worker
+    python examples/train_gpt.py --schedule auto   # calibrate the candidates, keep the fastest predicted
     python examples/train_gpt.py --steps-per-call 1 --in-flight 1   # one step at a time, each awaited
     python examples/train_gpt.py --data-parallel 2   # 2 replicas of a 2-stage pipeline
     python examples/train_gpt.py --data-parallel 2 --zero   # ... with ZeRO-1
@@ -29,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import atoll  # noqa: E402
+from atoll.core.names import SCHEDULE_CHOICES, V_SCHEDULES  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss, sample  # noqa: E402
 
 
@@ -93,14 +96,21 @@ def main(argv: list[str] | None = None) -> None:
         "--in-flight", type=int, default=2,
         help="calls sent before the oldest one's losses are awaited (1: each call waits for the one before)",
     )  # fmt: skip
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"])
-    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=SCHEDULE_CHOICES,
+        help="auto: calibrate the candidates on the workers and keep the one predicted fastest",
+    )  # fmt: skip
+    parser.add_argument(
+        "--virtual-stages", type=int, default=None, help="chunks per worker (default: 2 for zbv and dualpipev, else 1)"
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule in V_SCHEDULES else 1
     per_stage = args.data_parallel * args.tensor_parallel
     if args.data_parallel < 1 or args.tensor_parallel < 1 or args.workers % per_stage:
         parser.error(
