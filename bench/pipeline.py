@@ -38,8 +38,8 @@ The atoll workers all share that GPU and talk over CUDA IPC; by default (``--mps
 ``LocalCluster``) they share it through a CUDA MPS daemon of the cluster's own where the driver
 ships one, so their kernels overlap instead of taking turns; ``--mps off`` measures them taking
 turns (the single process is no MPS client: it has the GPU to itself). ``cuda_mps`` in the report
-says which ran. The
-report adds each rank's measured waiting fraction (time blocked on the data plane over the step's wall time).
+says which ran. The report adds each rank's measured waiting fraction (time blocked on the data
+plane over the step's wall time).
 """
 
 from __future__ import annotations
