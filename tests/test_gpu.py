@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import atoll
+from atoll.client import cuda_mps
 from examples.gpt import lm_loss
 from tests import models
 from tests.reference import assert_matches_reference, relative_error, train_reference
@@ -41,7 +42,7 @@ def gpu_cluster():
     """Four workers on one GPU (NCCL cannot pair ranks there; CUDA IPC can), as LocalCluster
     starts them by default: under a CUDA MPS daemon of its own where the driver ships one."""
     with atoll.LocalCluster(workers=RANKS, devices=["cuda:0"] * RANKS, threads_per_worker=1) as cluster:
-        assert cluster.mps_running == (shutil.which("nvidia-cuda-mps-control") is not None)
+        assert cluster.mps_running == cuda_mps.wanted(None, cluster.devices)
         yield cluster
 
 

@@ -99,7 +99,8 @@ def test_cuda_mps_is_refused_for_a_cluster_without_cuda_workers():
         atoll.LocalCluster(workers=2, cuda_mps=True)
 
 
-def test_cuda_mps_by_default_only_where_workers_share_a_gpu():
+def test_cuda_mps_by_default_only_where_workers_share_a_gpu(monkeypatch):
+    from atoll.client import cuda_mps
     from atoll.client.cuda_mps import shares_a_gpu, wanted
 
     assert shares_a_gpu(["cuda:0", "cuda"]) and shares_a_gpu(["cpu", "cuda:1", "cuda:1"])
@@ -107,6 +108,13 @@ def test_cuda_mps_by_default_only_where_workers_share_a_gpu():
     assert not wanted(None, ["cuda:0", "cuda:1"]) and not wanted(False, ["cuda:0", "cuda:0"])
     assert wanted(True, ["cuda:0", "cuda:1"])  # asked for: also on distinct GPUs
     assert not atoll.LocalCluster(workers=2).cuda_mps
+    # an MPS daemon the workers already reach (the user's, or a system-wide one): no second one
+    monkeypatch.setattr(cuda_mps.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(cuda_mps, "DEFAULT_PIPE_DIRECTORY", "/nonexistent/nvidia-mps")
+    assert wanted(None, ["cuda:0", "cuda:0"])
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/somewhere")
+    assert not wanted(None, ["cuda:0", "cuda:0"]) and wanted(True, ["cuda:0", "cuda:0"])
 
 
 def test_a_cuda_job_on_cpu_workers_is_refused_clearly(client4):

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA clients look when $CUDA_MPS_PIPE_DIRECTORY is unset
 
 
 def shares_a_gpu(devices: list[str]) -> bool:
@@ -29,12 +30,21 @@ def shares_a_gpu(devices: list[str]) -> bool:
     return len(set(gpus)) < len(gpus)
 
 
+def already_running() -> bool:
+    """Whether this process's CUDA clients already reach an MPS daemon: one the user pointed to
+    ($CUDA_MPS_PIPE_DIRECTORY), or one at the default pipe directory (a system-wide daemon)."""
+    if "CUDA_MPS_PIPE_DIRECTORY" in os.environ:
+        return True
+    return os.path.exists(os.path.join(DEFAULT_PIPE_DIRECTORY, "control"))
+
+
 def wanted(requested: bool | None, devices: list[str]) -> bool:
-    """Whether a cluster of workers on ``devices`` runs them under MPS. ``None`` (the default):
-    where two or more share a GPU and the driver ships MPS's control program; True: always
-    (refused without CUDA workers); False: never."""
+    """Whether a cluster of workers on ``devices`` runs them under a private MPS daemon. ``None``
+    (the default): where two or more share a GPU, the driver ships MPS's control program and no
+    daemon already serves this process's clients (``already_running``); True: always (refused
+    without CUDA workers); False: never."""
     if requested is None:
-        return shares_a_gpu(devices) and shutil.which(CONTROL) is not None
+        return shares_a_gpu(devices) and shutil.which(CONTROL) is not None and not already_running()
     if requested and not any(d.startswith("cuda") for d in devices):
         raise ValueError("cuda_mps=True needs CUDA workers: devices names none")
     return requested

@@ -54,9 +54,10 @@ class LocalCluster:
 
     ``cuda_mps`` starts a private CUDA MPS daemon for the cluster's workers, so workers that
     share a GPU run their kernels side by side instead of taking turns (atoll.client.cuda_mps).
-    By default (None) it does so where two or more workers share a GPU and the driver ships MPS,
-    and goes on without it, with a warning, if the daemon does not start; True insists, False
-    never starts one. ``mps_running`` says which it came to.
+    By default (None) it does so where two or more workers share a GPU, the driver ships MPS and
+    no MPS daemon already serves them (atoll.client.cuda_mps.already_running), and goes on
+    without it, with a warning, if the daemon does not start; True insists, False never starts
+    one. ``mps_running`` says which it came to.
 
     ``metrics_port`` (0: a free one) has the controller serve Prometheus metrics at
     ``http://{metrics_address}/metrics``. ``state_dir`` has the controller record its workers and
