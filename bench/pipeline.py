@@ -465,6 +465,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     # the check compares schedules; the two copies' gap (same schedule, same machine, same
     # rounds) shows the noise both are read against.
     chosen_rate = median(rates["auto"] + rates[chosen])
+    auto_rate = median(rates["auto"])
     others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
     row = {
         "chosen": chosen,
@@ -472,7 +473,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         "predicted_step_s": round(predicted[chosen], 5),
         "measured_step_s": round(1 / chosen_rate, 5),
         "predicted_over_measured": round(predicted[chosen] * chosen_rate, 3),
-        "predicted_over_measured_auto_job_alone": round(predicted[chosen] * median(rates["auto"]), 3),
+        "predicted_over_measured_auto_job_alone": round(predicted[chosen] * auto_rate, 3),
         "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
         "measured_steps_per_s_by_candidate_in_turn": beside,
         "measured_steps_per_s_by_candidate_in_rows": {
@@ -480,7 +481,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         },
         # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
         "chosen_vs_fastest_measured": round(chosen_rate / max([chosen_rate, *others]), 3),
-        "auto_job_vs_same_schedule_beside": round(median(rates["auto"]) / median(rates[chosen]), 3),
+        "auto_job_vs_same_schedule_beside": round(auto_rate / median(rates[chosen]), 3),
     }
     return row
 
