@@ -11,7 +11,9 @@
     and the CPU time per step (16 in flight) of every process: the client, the controller and
     each worker (the four without a stage show what idling beside costs); then the same steps
     sent 4 and 16 to a call (``job.steps_async``, 2 calls in flight), and the CPU per step by
-    process at 16 to a call;
+    process at 16 to a call; beside them the floor (bench/tiny_floor.py): the same training steps
+    in 4 plain PyTorch processes joined by socket pairs, with no runtime, and the share of that
+    floor atoll's best rate reached;
 (c) tiny training steps per second through the 4-stage chain with parallel dispatch (a step goes
     to all ranks at once) and with ``dispatch="sequential"`` (each rank only once the previous
     has started the step), 16 steps in flight, and their ratio;
@@ -52,12 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_floor import no_runtime_floor  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.client.local import stop_processes  # noqa: E402
 
 try:  # the peer (the `bench` extra)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import ray_chain  # noqa: E402
 except ImportError:
     ray_chain = None
@@ -291,6 +295,7 @@ def main() -> None:
         "python": platform.python_version(),
     }
     gloo_s = raw_gloo_round_trip(4, args.iters)
+    floor = no_runtime_floor(tiny, 4, steps=max(args.steps, 100) * 5)  # forked too: before any thread starts
     workers = max(4, *args.chains)  # the 4-stage chain of (a)-(c), and the longest of (d)
     with atoll.LocalCluster(workers=workers, threads_per_worker=1) as cluster, cluster.client() as client:
         model, x = tiny(4)
@@ -321,6 +326,12 @@ def main() -> None:
         report["cpu_ms_per_tiny_step_by_process_16_per_call"] = cpu_by_process(
             cluster, job, x, args.steps, in_flight=2, per_call=16
         )
+        best = max(*rates.values(), *report["tiny_train_steps_per_s_by_steps_in_flight"].values())
+        report["tiny_train_no_runtime_floor"] = {
+            **floor,
+            "same_first_losses_as_atoll": floor["first_losses"] == first_losses,
+            "atoll_best_steps_per_s_over_floor": round(best / floor["steps_per_s"], 3),
+        }
         job.close()
         by_dispatch = {}
         for mode in ("parallel", "sequential"):

@@ -127,6 +127,10 @@ def test_dispatch_benchmark_runs_at_its_smallest_size():
     assert by_process["total"] > 0
     assert set(report["tiny_train_steps_per_s_sent_together_by_steps_per_call"]) == {"4", "16"}
     assert report["cpu_ms_per_tiny_step_by_process_16_per_call"]["total"] > 0
+    floor = report["tiny_train_no_runtime_floor"]  # the same steps in plain processes: the same training
+    assert floor["steps_per_s"] > 0 and len(floor["cpu_ms_per_step_by_stage"]) == 4
+    assert floor["same_first_losses_as_atoll"], floor["first_losses"]
+    assert floor["atoll_best_steps_per_s_over_floor"] > 0
     assert set(report["controller_cpu_ms_per_step_by_workers"]) == {"1"}
     ray = report["ray_compiled_graphs_4_stage_ms"]  # the peer, where the `bench` extra is installed
     assert ray["same_first_losses"] if isinstance(ray, dict) else "ray is not importable" in ray
