@@ -145,7 +145,7 @@ class Lifecycle:
             self.unload(job, wait=True)
         job.state = JobState.CLOSED
         held = self.jobs.remove(job)
-        heap.release()
+        heap.release(job.job_id)
         self.gate.forget(job.job_id)
         self.metrics.forget(job)
         if job.session and job.session not in held:

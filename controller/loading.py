@@ -162,7 +162,7 @@ class Loader:
                 raise JobFailed(f"job {job.job_id} could not be loaded: {job.error}")
             job.state, job.loaded_at = JobState.READY, time.monotonic()
         self.records.job_state(job.job_id, JobState.READY.value)
-        heap.settle(topo.ranks)  # a large plan lives as long as the job: out of the collector's scans
+        heap.settle(job.job_id, topo.ranks)  # a large plan lives as long as the job: out of the collector's scans
         log.info("job %s ready on %s", job.job_id, ", ".join(w.worker_id for w in job.workers))
         return pb.SubmitReply(job_id=job.job_id, plan_json=json.dumps(job.report))
 
