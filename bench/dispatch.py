@@ -27,8 +27,9 @@
     reported;
 (e) with ray importable (the ``bench`` extra), the same 4-stage chain on Ray Compiled Graphs
     (bench/ray_chain.py), run after atoll's cluster stopped: its forward round trip and training
-    step next to atoll's synchronous ones from (a), and whether both trained to the same first
-    losses.
+    step next to atoll's synchronous ones from (a) and from a second round on a fresh cluster
+    after Ray's (the ratios are over the mean of the two), and whether both trained to the same
+    first losses.
 
 Nothing here asserts on time.
 """
@@ -258,20 +259,47 @@ def simulated_dispatch(sizes: list[int], steps: int) -> dict:
     return report
 
 
+def synchronous_round(client, iters: int):
+    """A fresh tiny 4-stage job's median synchronous forward (``job.forward``) and training step
+    (``job.step``), ``iters`` of each, the first tenth left out; returns (the job, its batch, the
+    forward's seconds, the step's seconds, the first 3 training losses)."""
+    model, x = tiny(4)
+    job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
+
+    def median_s(run) -> float:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[iters // 10 :])
+
+    forward_s = median_s(lambda: job.forward(x))
+    first_losses = [job.step(x, x) for _ in range(3)]  # forward steps left the weights as they were
+    return job, x, forward_s, median_s(lambda: job.step(x, x)), first_losses
+
+
 def ray_side(iters: int, atoll_forward_s: float, atoll_train_s: float, atoll_losses: list[float]) -> dict | str:
     """(e) The same tiny pipeline on Ray Compiled Graphs (bench/ray_chain.py), after atoll's cluster
-    has stopped, next to atoll's synchronous forward and training step."""
+    has stopped, next to atoll's synchronous forward and training step: measured before Ray's and
+    again on a fresh cluster after it (each ratio is over the mean of atoll's two rounds, so that
+    a slower or faster spell of the machine does not fall on one side only)."""
     if ray_chain is None:
         return "ray is not importable: pip install -e '.[bench]'"
     model, x = tiny(4)
     ray = ray_chain.tiny_pipeline(model, x, iters)
+    with atoll.LocalCluster(workers=4, threads_per_worker=1) as cluster, cluster.client() as client:
+        job, _, forward_again_s, train_again_s, _ = synchronous_round(client, iters)
+        job.close()
+    forward_ms = [round(atoll_forward_s * 1e3, 3), round(forward_again_s * 1e3, 3)]
+    train_ms = [round(atoll_train_s * 1e3, 3), round(train_again_s * 1e3, 3)]
     return {
-        "atoll_forward": round(atoll_forward_s * 1e3, 3),
+        "atoll_forward_by_round": forward_ms,
         "ray_forward": ray["forward_ms"],
-        "ratio_atoll_over_ray_forward": round(atoll_forward_s * 1e3 / ray["forward_ms"], 2),
-        "atoll_train_step": round(atoll_train_s * 1e3, 3),
+        "ratio_atoll_over_ray_forward": round(statistics.mean(forward_ms) / ray["forward_ms"], 2),
+        "atoll_train_step_by_round": train_ms,
         "ray_train_step": ray["train_step_ms"],
-        "ratio_atoll_over_ray_train_step": round(atoll_train_s * 1e3 / ray["train_step_ms"], 2),
+        "ratio_atoll_over_ray_train_step": round(statistics.mean(train_ms) / ray["train_step_ms"], 2),
         "same_first_losses": all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(atoll_losses, ray["first_losses"])),
         "first_losses_atoll": atoll_losses,
         "first_losses_ray": ray["first_losses"],
@@ -298,26 +326,12 @@ def main() -> None:
     floor = no_runtime_floor(tiny, 4, steps=max(args.steps, 100) * 5)  # forked too: before any thread starts
     workers = max(4, *args.chains)  # the 4-stage chain of (a)-(c), and the longest of (d)
     with atoll.LocalCluster(workers=workers, threads_per_worker=1) as cluster, cluster.client() as client:
-        model, x = tiny(4)
-        job = client.pipeline(model, example_input=x, example_target=x, loss_fn=F.mse_loss, stages=4, microbatches=1)
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            job.forward(x)
-            times.append(time.perf_counter() - start)
-        atoll_s = statistics.median(times[args.iters // 10 :])
+        job, x, atoll_s, train_s, first_losses = synchronous_round(client, args.iters)
         report["round_trip_4_stage_ms"] = {
             "atoll_forward": round(atoll_s * 1e3, 3),
             "raw_gloo_chain": round(gloo_s * 1e3, 3),
             "ratio_atoll_over_raw": round(atoll_s / gloo_s, 2),
         }
-        first_losses = [job.step(x, x) for _ in range(3)]  # forward steps left the weights as they were
-        times = []
-        for _ in range(args.iters):
-            start = time.perf_counter()
-            job.step(x, x)
-            times.append(time.perf_counter() - start)
-        train_s = statistics.median(times[args.iters // 10 :])
         rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=n) for n in (1, 16)}
         report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
         report["cpu_ms_per_tiny_step_by_process"] = cpu_by_process(cluster, job, x, args.steps)
