@@ -105,6 +105,19 @@ def report(name: str, **values) -> None:
             f.write(line + "\n")
 
 
+def assert_predicted_memory(plan, memory, name: str, against_allocator: bool = False) -> None:
+    """Each rank's predicted peak within 10% of the workers' own accounting (reported as ``name``);
+    with ``against_allocator``, next to CUDA's allocator peak too."""
+    for rank in range(RANKS):
+        predicted, counted = plan.predicted_memory[rank]["total"], memory[rank]["peak"]["total"]
+        allocator = {"cuda_max_allocated": memory[rank]["cuda_max_allocated"]} if against_allocator else {}
+        report(name, rank=rank, predicted=predicted, counted=counted, **allocator)
+        assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
+        if against_allocator:  # the allocator also holds temporaries the plan does not stash: it sees more
+            peak = allocator["cuda_max_allocated"]
+            assert peak >= 0.95 * counted, f"rank {rank}: allocator peak {peak} < counted {counted}"
+
+
 def test_four_workers_on_one_gpu_1f1b_over_cuda_ipc_match_single_process_cuda(gpu_client):
     model, batches = gpt()
     plan, losses, state, memory = train_atoll(
@@ -118,15 +131,7 @@ def test_four_workers_on_one_gpu_1f1b_over_cuda_ipc_match_single_process_cuda(gp
     assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
     assert losses[-1] < losses[0]
 
-    # predicted memory: against the workers' own accounting, and next to CUDA's allocator
-    for rank in range(RANKS):
-        predicted = plan.predicted_memory[rank]["total"]
-        counted = memory[rank]["peak"]["total"]
-        allocator = memory[rank]["cuda_max_allocated"]
-        report("memory", rank=rank, predicted=predicted, counted=counted, cuda_max_allocated=allocator)
-        assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
-        # the allocator also holds temporaries the plan does not stash, so it can only see more
-        assert allocator >= 0.95 * counted, f"rank {rank}: allocator peak {allocator} < counted {counted}"
+    assert_predicted_memory(plan, memory, "memory", against_allocator=True)
 
 
 @pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
@@ -143,10 +148,7 @@ def test_zero_bubble_schedules_on_one_gpu_match_single_process_cuda(gpu_client, 
     ref_losses, ref_state = reference_cuda(model, batches, "adamw", ADAMW)
     report(f"parity_{schedule}", losses=losses, reference=ref_losses)
     assert_matches_reference(losses, state, ref_losses, ref_state, rtol=GPU_RTOL)
-    for rank in range(RANKS):
-        predicted, counted = plan.predicted_memory[rank]["total"], memory[rank]["peak"]["total"]
-        report(f"memory_{schedule}", rank=rank, predicted=predicted, counted=counted)
-        assert abs(predicted - counted) <= 0.10 * counted, f"rank {rank}: predicted {predicted}, counted {counted}"
+    assert_predicted_memory(plan, memory, f"memory_{schedule}")
 
 
 def test_bf16_pipeline_on_one_gpu_trains(gpu_client):
