@@ -10,9 +10,17 @@ import time
 import pytest
 
 import atoll
+from atoll.client.zygote import shared, unshared, zygote_for
 from tests.procs import alive, descendants
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
+
+
+@pytest.fixture(autouse=True)
+def own_zygote():
+    """Each cluster here starts its own zygote (not the suite's shared one), which it must stop too."""
+    with unshared():
+        yield
 
 
 def test_local_cluster_stops_everything_it_started():
@@ -27,6 +35,35 @@ def test_local_cluster_stops_everything_it_started():
     assert not any(alive(p) for p in pids)
     assert not any(alive(p) for p in started)
     assert not cluster.log_dir.exists()  # a clean exit: every daemon exited 0 on SIGTERM
+
+
+def test_clusters_in_a_shared_block_fork_from_one_zygote_that_the_block_stops(tmp_path):
+    before = set(descendants(os.getpid()))
+    with shared(tmp_path):
+        with atoll.LocalCluster(workers=1) as first:
+            zygote = first._zygote.pid
+            assert set(first.pids) <= set(descendants(zygote))
+        assert alive(zygote) and not any(alive(p) for p in first.pids)  # the cluster stopped its daemons only
+        with atoll.LocalCluster(workers=2) as second, second.client() as client:
+            assert second._zygote.pid == zygote and set(second.pids) <= set(descendants(zygote))
+            assert sum(w.alive for w in client.status().workers) == 2
+    assert not any(alive(p) for p in set(descendants(os.getpid())) - before)  # the zygote too
+
+
+def test_a_shared_zygote_is_one_per_start_environment_but_for_the_ignored_variables(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with shared(tmp_path, ignore={"NAMES_THE_TEST"}):
+        zygote, owned = zygote_for(env, tmp_path, 60)
+        assert not owned and zygote.running
+        assert zygote_for(dict(env, NAMES_THE_TEST="b"), tmp_path, 60)[0] is zygote
+        other, _ = zygote_for(dict(env, GLIBC_TUNABLES="glibc.malloc.arena_max=1"), tmp_path, 60)
+        assert other is not zygote and other.running  # its daemons would run with other malloc settings
+    assert not zygote.running and not other.running
+    own, owned = zygote_for(env, tmp_path, 60)  # no shared block open: the caller's own, to close
+    try:
+        assert owned and own.running and (tmp_path / "zygote.log").is_file()
+    finally:
+        own.close()
 
 
 def test_local_cluster_stops_everything_when_the_body_raises(capfd):

@@ -16,7 +16,7 @@ from atoll.cli.malloc import daemon_malloc_tunables
 from atoll.client.client import Client, connect
 from atoll.client.cuda_mps import CudaMps
 from atoll.client.cuda_mps import wanted as cuda_mps_wanted
-from atoll.client.zygote import ForkedProcess, Zygote
+from atoll.client.zygote import ForkedProcess, Zygote, zygote_for
 from atoll.errors import WorkerUnavailable
 from atoll.net.auth import create_token_file
 
@@ -116,6 +116,7 @@ class LocalCluster:
         self.controller: subprocess.Popen | ForkedProcess | None = None
         self.workers: list[subprocess.Popen | ForkedProcess] = []
         self._zygote: Zygote | None = None
+        self._owns_zygote = False  # not a shared one (atoll.client.zygote.shared)
         self._logs: list = []
         self._killed: set[int] = set()  # PIDs stopped on purpose (kill_worker): their exit is no error
 
@@ -191,9 +192,7 @@ class LocalCluster:
             if self.cuda_mps:
                 self._mps = self._start_mps()
             if hasattr(os, "fork") and sys.platform.startswith("linux"):
-                zygote_log = open(self.log_dir / "zygote.log", "w")
-                self._logs.append(zygote_log)
-                self._zygote = Zygote(zygote_log, self._env(), self.startup_timeout_s)
+                self._zygote, self._owns_zygote = zygote_for(self._env(), self.log_dir, self.startup_timeout_s)
             ready = self.log_dir / "controller.ready"
             self.controller = self._spawn(
                 "controller",
@@ -277,9 +276,9 @@ class LocalCluster:
         its handler was in place); kept logs are named on stderr."""
         procs = [p for p in [*self.workers, self.controller] if p is not None]
         stop_processes(procs)
-        if self._zygote is not None:
+        if self._zygote is not None and self._owns_zygote:
             self._zygote.close()
-            self._zygote = None
+        self._zygote = None
         if self._mps is not None:
             self._mps.stop()
             self._mps = None
