@@ -17,6 +17,7 @@ The zygote ends when its stdin closes; children it started outlive it only as lo
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -108,6 +109,10 @@ def serve() -> None:
 
     for name in WARM_IMPORTS:
         importlib.import_module(name)
+    # What is alive now (the modules' 330,000 objects) lives as long as each daemon: frozen, the
+    # cyclic collector skips it in the daemons (a full collection took 170-190 ms here, 0 once
+    # frozen: a stall in whatever step it fell in) and no collection writes to its shared pages.
+    gc.freeze()
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
