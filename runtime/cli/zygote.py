@@ -108,7 +108,10 @@ def serve() -> None:
     import atoll.worker.daemon  # noqa: F401
 
     for name in WARM_IMPORTS:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # private modules come and go between torch versions: only a head start
+            pass
     # What is alive now (the modules' 330,000 objects) lives as long as each daemon: frozen, the
     # cyclic collector skips it in the daemons (a full collection took 170-190 ms here, 0 once
     # frozen: a stall in whatever step it fell in) and no collection writes to its shared pages.
