@@ -4,6 +4,7 @@ each daemon as a ``subprocess.Popen``-like handle (pid, poll, wait, send_signal,
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import select
@@ -174,7 +175,7 @@ class _Shared:
         self.log_dir = log_dir
         self.ignore = ignore
         self.zygotes: dict[tuple, Zygote] = {}
-        self.logs: list = []
+        self.started = itertools.count()  # numbers the zygotes' logs
 
 
 _blocks: list[_Shared | None] = []
@@ -201,8 +202,6 @@ def shared(log_dir: str | os.PathLike, ignore: Iterable[str] = ()):
             _blocks.remove(block)
             for zygote in block.zygotes.values():
                 zygote.close()
-            for log in block.logs:
-                log.close()
 
 
 @contextlib.contextmanager
@@ -220,8 +219,8 @@ def zygote_for(env: dict[str, str], log_dir: Path, timeout_s: float) -> tuple[Zy
     so closes it): one of its own, logging to ``log_dir``/zygote.log, unless a ``shared`` block is
     open."""
     block = _blocks[-1] if _blocks else None
-    if block is None:
-        with open(log_dir / "zygote.log", "w") as log:  # the zygote holds its own descriptor
+    if block is None:  # (the zygote holds its own copy of its log's descriptor)
+        with open(log_dir / "zygote.log", "w") as log:
             return Zygote(log, env, timeout_s), True
     key = tuple(sorted((k, v) for k, v in env.items() if k not in block.ignore))
     with _blocks_lock:
@@ -229,7 +228,6 @@ def zygote_for(env: dict[str, str], log_dir: Path, timeout_s: float) -> tuple[Zy
         if zygote is None or not zygote.running:
             if zygote is not None:
                 zygote.close()
-            log = open(block.log_dir / f"zygote-{len(block.logs)}.log", "w")
-            block.logs.append(log)
-            zygote = block.zygotes[key] = Zygote(log, env, timeout_s)
+            with open(block.log_dir / f"zygote-{next(block.started)}.log", "w") as log:
+                zygote = block.zygotes[key] = Zygote(log, env, timeout_s)
         return zygote, False
