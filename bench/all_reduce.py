@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from peers import peer_context  # noqa: E402
 
 from atoll.worker.transports.gloo import GlooTransport  # noqa: E402
 from atoll.worker.transports.socket_ring import SocketRing  # noqa: E402
@@ -72,7 +72,7 @@ def _sizes(numel: int) -> list[int]:
 
 
 def measure(kind: str, ranks: int, numel: int, iters: int) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = peer_context()  # forked from one server that imported torch and atoll (bench/peers.py)
     master = dist.TCPStore(
         "127.0.0.1", 0, ranks + 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
     )

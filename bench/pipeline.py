@@ -58,13 +58,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dispatch import _cpu_seconds, process_pids  # noqa: E402
-from stage_limit import WINDOW_S, RankCosts, daemon_malloc  # noqa: E402
+from peers import peer_context  # noqa: E402
+from stage_limit import WINDOW_S, RankCosts  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
@@ -253,7 +253,7 @@ class TorchSide:
 
     def _start(self, target, world: int, settings: tuple) -> None:
         """``world`` processes running ``target(rank, world, port, *settings, go, results)``."""
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self.go = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         with socket.socket() as s:
@@ -262,10 +262,8 @@ class TorchSide:
         self.procs = [
             ctx.Process(target=target, args=(r, world, port, *settings, self.go, self.results)) for r in range(world)
         ]
-        # the peers start with the malloc settings LocalCluster gives atoll's daemons (DAEMON_MALLOC)
-        with daemon_malloc():
-            for p in self.procs:
-                p.start()
+        for p in self.procs:  # under the malloc settings LocalCluster gives atoll's daemons (bench/peers.py)
+            p.start()
         for _ in self.procs:  # started, imported and warmed up before any round is timed
             assert self._result(600) == "ready"
 

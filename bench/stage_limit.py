@@ -15,22 +15,11 @@ Measured two ways, both given by ``bench/pipeline.py``:
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from unittest import mock
 
 import torch
-import torch.multiprocessing as mp
-
-from atoll.cli.malloc import daemon_malloc_tunables
-
-
-def daemon_malloc():
-    """Context: processes started inside it get the malloc settings LocalCluster gives atoll's
-    daemons (``DAEMON_MALLOC``), so a benchmark's peers and measurements run under the same."""
-    return mock.patch.dict(os.environ, GLIBC_TUNABLES=daemon_malloc_tunables(os.environ.get("GLIBC_TUNABLES", "")))
-
+from peers import peer_context
 
 WINDOW_S = 0.5
 """How long a rank repeats its work per measurement (at least 4 times); bench/pipeline.py
@@ -75,7 +64,7 @@ class RankCosts:
     backward): ``(alone, together)``, each a list by rank."""
 
     def __init__(self, setup, loss_fn, args, stage_blocks, ranks_stages: list[list[int]]):
-        ctx = mp.get_context("spawn")
+        ctx = peer_context()
         self.results = ctx.Queue()
         last = len(stage_blocks) - 1
         self.commands = [ctx.Queue() for _ in ranks_stages]
@@ -86,9 +75,8 @@ class RankCosts:
             )
             for r, mine in enumerate(ranks_stages)
         ]
-        with daemon_malloc():
-            for p in self.procs:
-                p.start()
+        for p in self.procs:
+            p.start()
         try:
             for _ in self.procs:
                 self.results.get(timeout=300)  # every process ready

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from peers import peer_context  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -170,15 +171,16 @@ def _ping_pong(kind: str, iters: int, rank: int, port: int, out) -> None:
 
 
 def between_processes_gbps(
-    kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None, device: str = "cuda"
+    kind: str, nbytes: int, iters: int, depth: int, ordering: str | None = None, device: str = "cuda", ctx=None
 ) -> dict:
-    return run_pair(_peer, kind, ordering, device, nbytes, iters, depth)
+    return run_pair(_peer, kind, ordering, device, nbytes, iters, depth, ctx=ctx)
 
 
-def run_pair(target, *args) -> dict:
-    """``target(*args, rank, store_port, out)`` in two spawned processes (ranks 0 and 1) that meet at
-    a TCPStore of their own; returns what rank 1 puts on ``out``."""
-    ctx = mp.get_context("spawn")
+def run_pair(target, *args, ctx=None) -> dict:
+    """``target(*args, rank, store_port, out)`` in two processes (ranks 0 and 1) that meet at a
+    TCPStore of their own; returns what rank 1 puts on ``out``. Spawned unless ``ctx`` says
+    otherwise: the CUDA rows' peers must see the CUDA MPS variables set after this process began."""
+    ctx = ctx or mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, rank, store.port, out)) for rank in (0, 1)]
@@ -253,21 +255,23 @@ def main() -> None:
 
 def _cpu_rows(args) -> None:
     """CPU workers' data plane: the socket and gloo transports between two processes, next to a
-    copy inside one; then each one's round trip of a small message."""
+    copy inside one; then each one's round trip of a small message. The peers fork from one server
+    (bench/peers.py), under the malloc settings of atoll's daemons."""
+    ctx = peer_context()
     rows = []
     for mb in args.sizes_mb:
         nbytes = int(mb * 2**20)
         raw = raw_copy_gbps(nbytes, args.iters, "cpu")
         row = {"megabytes": mb, "raw_copy_GBps": round(raw, 2)}
         for kind in ("socket", "gloo"):
-            got = between_processes_gbps(kind, nbytes, args.gloo_iters, 2, device="cpu")
+            got = between_processes_gbps(kind, nbytes, args.gloo_iters, 2, device="cpu", ctx=ctx)
             row[f"atoll_{kind}_GBps"] = round(got["gbps"], 3)
             row[f"ratio_{kind}_to_raw"] = round(got["gbps"] / raw, 4)
             row[f"{kind}_payloads_arrive_whole_and_in_order"] = got["checked"]
             row[f"{kind}_wrong_transfers"] = got["wrong_transfers"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    trips = {kind: run_pair(_ping_pong, kind, args.round_trips) for kind in ("socket", "gloo")}
+    trips = {kind: run_pair(_ping_pong, kind, args.round_trips, ctx=ctx) for kind in ("socket", "gloo")}
     small = {
         **{f"{kind}_{k}": [round(v, 1) for v in x] if isinstance(x, list) else round(x, 1)
            for kind, trip in trips.items() for k, x in trip.items()},
