@@ -201,15 +201,15 @@ def _start_simulated(cluster: atoll.LocalCluster, workers: int) -> list[subproce
     return procs
 
 
-def _controller_cpu_ms_per_step(job, x, pid: int, steps: int) -> dict:
+def _controller_cpu_ms_per_step(job, x, pid: int, steps: int, idle_window_s: float) -> dict:
     """CPU per step, less the controller's idle rate (heartbeats, health checks) measured just
     before, with the job loaded and every channel it opened still open."""
     job.max_in_flight = 16
     for _ in range(3):
         job.step(x, x)
     before = _cpu_seconds(pid)
-    time.sleep(IDLE_WINDOW_S)
-    idle_cpu_per_s = (_cpu_seconds(pid) - before) / IDLE_WINDOW_S
+    time.sleep(idle_window_s)
+    idle_cpu_per_s = (_cpu_seconds(pid) - before) / idle_window_s
     before, start = _cpu_seconds(pid), time.perf_counter()
     futures = [job.step_async(x, x) for _ in range(steps)]
     for f in futures:
@@ -224,7 +224,7 @@ def _controller_cpu_ms_per_step(job, x, pid: int, steps: int) -> dict:
     }
 
 
-def simulated_dispatch(sizes: list[int], steps: int) -> dict:
+def simulated_dispatch(sizes: list[int], steps: int, idle_window_s: float = IDLE_WINDOW_S) -> dict:
     report: dict = {}
     with (
         # heartbeats every 10 minutes: dispatch is measured, not heartbeat handling (whose cost
@@ -251,7 +251,8 @@ def simulated_dispatch(sizes: list[int], steps: int) -> dict:
                         dispatch=mode,
                     )
                     loaded = round(time.perf_counter() - start, 1)
-                    by_mode[mode] = {**_controller_cpu_ms_per_step(job, x, pid, steps), "compile_and_load_s": loaded}
+                    cpu = _controller_cpu_ms_per_step(job, x, pid, steps, idle_window_s)
+                    by_mode[mode] = {**cpu, "compile_and_load_s": loaded}
                     job.close()
                 report[str(n)] = by_mode
         finally:

@@ -66,7 +66,7 @@ def test_dispatch_benchmarks_simulated_workers_register_load_and_step():
     register, take a plan (in pieces, as a real worker does) and answer steps, directly and relayed."""
     from bench import dispatch
 
-    measured = dispatch.simulated_dispatch([4], 1)
+    measured = dispatch.simulated_dispatch([4], 1, idle_window_s=0.5)
     assert set(measured["4"]) == {"direct", "relay"}
     assert all(m["steps_per_s"] > 0 for m in measured["4"].values())
 

@@ -1,12 +1,13 @@
-"""Issue 25: jobs survive a controller restart. Daemons started by hand (`atoll controller
---state-dir`, `atoll worker`), a 4-stage job trains in float64 under AdamW; the controller is
-SIGKILLed with steps in flight and started again on the same port and state directory. The
-client's unanswered steps go out again and succeed; losses and weights equal a single-process
-run's (so no step ran twice, none was lost), and status lists every worker once, with its id."""
+"""Issue 25: jobs survive a controller restart. Daemons as an operator runs them (`atoll controller
+--state-dir`, `atoll worker`; forked from the zygote LocalClusters use, which runs the same
+commands without a fresh interpreter's imports: tests/test_by_hand.py starts them from fresh
+interpreters), a 4-stage job trains in float64 under AdamW; the controller is SIGKILLed with
+steps in flight and started again on the same port and state directory. The client's unanswered
+steps go out again and succeed; losses and weights equal a single-process run's (so no step ran
+twice, none was lost), and status lists every worker once, with its id."""
 
+import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 import atoll
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.client.local import stop_processes
+from atoll.client.local import daemon_env, stop_processes
+from atoll.client.zygote import ForkedProcess, zygote_for
 from atoll.errors import NotFound
 from atoll.net.rpc import Endpoint
 from tests import models, ps_cases
@@ -26,8 +28,6 @@ from tests.reference import RTOL, assert_matches_reference, train_reference
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
-ROOT = Path(__file__).resolve().parent.parent
-ATOLL = [sys.executable, "-m", "atoll.cli"]
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 HEARTBEAT_TIMEOUT_S = 3.0
 # From the restarted controller's readiness to every unanswered step answered: the workers
@@ -42,19 +42,33 @@ class Daemons:
 
     def __init__(self, tmp_path: Path):
         self.tmp, self.token = tmp_path, tmp_path / "token"
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[ForkedProcess] = []
         self.port = 0
         self._count = 0
+        self._zygote, self._owns_zygote = zygote_for(daemon_env(), tmp_path, 120.0)
 
-    def _start(self, *args: str) -> tuple[subprocess.Popen, str]:
+    def _start(self, *args: str) -> tuple[ForkedProcess, str]:
         self._count += 1
         ready = self.tmp / f"{self._count}.ready"
-        log = open(self.tmp / f"{self._count}-{args[0]}.log", "w")
-        cmd = [*ATOLL, *args, "--token-file", str(self.token), "--ready-file", str(ready)]
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        log = self.tmp / f"{self._count}-{args[0]}.log"
+        argv = [
+            *args,
+            "--token-file",
+            str(self.token),
+            "--ready-file",
+            str(ready),
+            "--exit-with-parent",
+            str(os.getpid()),
+        ]
+        self.procs.append(self._zygote.spawn(argv, str(log), daemon_env()))
         return self.procs[-1], wait_for_file(ready, self.procs[-1])
 
-    def controller(self, state: str = "state") -> subprocess.Popen:
+    def stop(self) -> None:
+        stop_processes(self.procs)
+        if self._owns_zygote:
+            self._zygote.close()
+
+    def controller(self, state: str = "state") -> ForkedProcess:
         proc, address = self._start(
             "controller",
             *("--port", str(self.port), "--state-dir", str(self.tmp / state)),
@@ -67,7 +81,7 @@ class Daemons:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def worker(self) -> subprocess.Popen:
+    def worker(self) -> ForkedProcess:
         return self._start("worker", "--controller", self.address)[0]
 
     def logs(self) -> str:
@@ -78,7 +92,7 @@ class Daemons:
 def daemons(tmp_path):
     d = Daemons(tmp_path)
     yield d
-    stop_processes(d.procs)
+    d.stop()
 
 
 def _float64_mlp():

@@ -21,6 +21,16 @@ from atoll.errors import WorkerUnavailable
 from atoll.net.auth import create_token_file
 
 
+def daemon_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a LocalCluster's daemons run with: this process's, unbuffered, with the
+    daemons' malloc settings (atoll.cli.malloc) and ``extra`` (a CUDA MPS daemon's variables)."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["GLIBC_TUNABLES"] = daemon_malloc_tunables(env.get("GLIBC_TUNABLES", ""))
+    env.update(extra or {})
+    return env
+
+
 def stop_processes(procs: list[subprocess.Popen | ForkedProcess], timeout_s: float = 10.0) -> None:
     """SIGTERM each, wait up to ``timeout_s`` in all, SIGKILL whatever is left; reaps them all."""
     for p in procs:
@@ -139,12 +149,7 @@ class LocalCluster:
         return [p.pid for p in ([self.controller] if self.controller else []) + self.workers]
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env["GLIBC_TUNABLES"] = daemon_malloc_tunables(env.get("GLIBC_TUNABLES", ""))
-        if self._mps is not None:
-            env.update(self._mps.env)
-        return env
+        return daemon_env(self._mps.env if self._mps is not None else {})
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen | ForkedProcess:
         log = open(self.log_dir / f"{name}.log", "w")
