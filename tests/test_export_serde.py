@@ -1,5 +1,6 @@
 """The speed-ups of torch.export's archives (runtime/core/export_serde.py, graphs.export) change no
-byte torch writes and nothing a program computes."""
+byte torch writes with the same options (no stack traces, no checksums) and nothing a program
+computes."""
 
 import io
 import json

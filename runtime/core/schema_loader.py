@@ -41,6 +41,8 @@ class Converter:
             plan = self._plans[cls]
         except KeyError:
             plan = self._plans[cls] = self._plan(cls)
+        except TypeError:  # a type object that cannot be a key: planned each time
+            plan = self._plan(cls)
         return plan(data)
 
     def _resolve(self, cls):
