@@ -70,9 +70,9 @@ def test_the_planned_schema_converter_builds_what_torchs_own_builds(make):
     assert ours == theirs and repr(ours) == repr(theirs)
     tags = lambda p: [(n.target, [a.arg.type for a in n.inputs]) for n in p.graph_module.graph.nodes]  # noqa: E731
     assert tags(ours) == tags(theirs)
-    planned = str(graphs.deserialize(data, "planned").graph)
+    planned, converter = str(graphs.deserialize(data, "planned").graph), serde._dict_to_dataclass
     serde._dict_to_dataclass = torchs
     try:
         assert str(graphs.deserialize(data, "torch's").graph) == planned
     finally:
-        serde._dict_to_dataclass = export_serde.schema_converter(serde)
+        serde._dict_to_dataclass = converter

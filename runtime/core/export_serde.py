@@ -15,9 +15,9 @@ On the tiny models most jobs of the test suite run, about half of that time is t
 
 ``apply`` skips the first check, memoizes the type hints per class (the schema's classes do not
 change while a process runs) and converts with a plan per type (a load of examples/gpt.py's
-6-layer GPT: 0.22 s -> 0.10 s). The archives are byte for byte what torch writes without it, and load to equal
-dataclasses (tests/test_export_serde.py). If torch's serde module no longer has these names,
-nothing is changed.
+6-layer GPT: 0.22 s -> 0.10 s). The archives are byte for byte what torch writes without it, and
+load to equal dataclasses (tests/test_export_serde.py). If torch's serde module no longer has
+these names, nothing is changed.
 """
 
 from __future__ import annotations
@@ -69,18 +69,18 @@ def apply() -> None:
         if callable(getattr(serde, "canonicalize", None)):
             serde.canonicalize = _canonical_form_not_checked
         global torch_dict_to_dataclass
-        converter = schema_converter(serde)
+        converter = _schema_converter(serde)
         if converter is not None and callable(getattr(serde, "_dict_to_dataclass", None)):
             torch_dict_to_dataclass, serde._dict_to_dataclass = serde._dict_to_dataclass, converter
 
 
-def schema_converter(serde):
+def _schema_converter(serde):
     """A ``Converter`` for torch's schema, or None where this torch lacks the names it needs."""
     try:
         from torch._export.serde.union import _Union, _UnionTag
     except ImportError:
         return None
-    schema = getattr(serde, "schema", None)
-    if schema is None or not hasattr(_Union, "create") or not hasattr(_UnionTag, "create"):
+    schema, resolve = getattr(serde, "schema", None), getattr(serde, "_resolve_schema_cls", None)
+    if schema is None or resolve is None or not hasattr(_Union, "create") or not hasattr(_UnionTag, "create"):
         return None
-    return Converter(schema, _Union, _UnionTag)
+    return Converter(schema, resolve, _Union, _UnionTag)

@@ -52,11 +52,7 @@ def _without_checksums():
     most of the cost of a large model's archive: 1.2 GB of weights saved in 2.1-6.9 s with
     them, 1.0-1.1 s without, loaded in 2.1-3.0 s with, 0.22 s without (the loader checks none
     it does not find). A process-wide flag of torch's, set for the save's duration."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    if get is None:
-        yield
-        return
-    previous = get()
+    previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
         yield

@@ -29,9 +29,9 @@ from typing import Annotated, Any
 class Converter:
     """``convert(cls, data)``: ``data`` (parsed JSON) as an instance of schema type ``cls``."""
 
-    def __init__(self, schema, union_base: type, union_tag: type):
-        self._schema = schema
+    def __init__(self, schema, resolve: Callable[[Any], Any], union_base: type, union_tag: type):
         self._globalns = vars(schema)
+        self._resolve = resolve  # torch's own: a schema class's name or forward reference -> the class
         self._union_base = union_base
         self._union_tag = union_tag
         self._plans: dict[Any, Callable[[Any], Any]] = {}
@@ -41,18 +41,7 @@ class Converter:
             plan = self._plans[cls]
         except KeyError:
             plan = self._plans[cls] = self._plan(cls)
-        except TypeError:  # a type object that cannot be a key: planned each time
-            plan = self._plan(cls)
         return plan(data)
-
-    def _resolve(self, cls):
-        if isinstance(cls, str):
-            resolved = getattr(self._schema, cls, None)
-            if resolved is not None:
-                return resolved
-        if isinstance(cls, typing.ForwardRef):
-            return self._resolve(cls.__forward_arg__)
-        return cls
 
     def _plan(self, cls) -> Callable[[Any], Any]:
         convert = self
