@@ -12,6 +12,7 @@ from atoll.controller.compiler import autoschedule
 from atoll.controller.compiler import communication as communication_plan
 from atoll.controller.compiler import memory as memory_plan
 from atoll.controller.compiler.checks import check_config
+from atoll.controller.compiler.compile_cache import COMPILED
 from atoll.controller.compiler.lowering import Lowered, lower
 from atoll.controller.compiler.parallel.tensor import ShardedStage
 from atoll.controller.compiler.program import StageInfo, analyze_loss, analyze_stage
@@ -113,9 +114,17 @@ def microbatch(st: CompileState) -> None:
 
 def split(st: CompileState) -> None:
     """Reads the exported model; adds its stages (at submodule boundaries, balanced by cost) and
-    the dataflow graph between them (controller/compiler/split.py)."""
+    the dataflow graph between them (controller/compiler/split.py), or the same model's last split
+    the same way (controller/compiler/compile_cache.py)."""
     req, topo = st.request, st.topology
-    st.split = split_model(req.model, st.microbatch_input, topo.num_stages, list(st.config.split_at), req.aliases)
+    split_at, aliases = list(st.config.split_at), req.aliases
+    st.split = COMPILED.get(
+        "split",
+        (req.model,),
+        (st.microbatch_input, topo.num_stages, tuple(split_at), tuple(sorted(aliases.items()))),
+        lambda: split_model(req.model, st.microbatch_input, topo.num_stages, split_at, aliases),
+        lambda split: sum(len(s.program) for s in split.stages),
+    )
     st.dataflow = st.split.dataflow
     st.programs = [(s.program,) for s in st.split.stages]
     st.shardings = [None] * topo.num_stages

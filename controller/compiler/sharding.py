@@ -4,6 +4,7 @@ sharded, and each tied parameter cut alike by every stage holding it."""
 
 from __future__ import annotations
 
+from atoll.controller.compiler.compile_cache import COMPILED
 from atoll.controller.compiler.parallel.tensor import shard_stage
 from atoll.controller.compiler.parallel.tensor.inventory import whole_warning
 from atoll.core.config import JobConfig
@@ -18,18 +19,7 @@ def shard_stages(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, los
     T, last = cfg.tensor_parallel, len(split.stages) - 1
     shardings, loss_programs = [], (loss,)
     for st in split.stages:
-        inputs = [t.empty("cpu").zero_() for t in _stage_input_spec(flow, st.index).tensors]
-        sharded, losses = shard_stage(
-            st.program,
-            st.index,
-            T,
-            dict(cfg.tensor_parallel_plan),
-            inputs,
-            st.index == last,
-            loss,
-            mb_target,
-            cfg.sequence_parallel,
-        )
+        sharded, losses = _shard(st, _stage_input_spec(flow, st.index), cfg, st.index == last, loss, mb_target)
         shardings.append(sharded)
         warning = whole_warning(st.index, sharded)
         if warning and cfg.tensor_parallel_strict:
@@ -54,6 +44,36 @@ def shard_stages(split, flow: Dataflow, cfg: JobConfig, mb_target: EdgeSpec, los
         (loss_programs if len(loss_programs) == T else loss_programs * T),
         Dataflow(flow.num_stages, flow.edges, tuple(tied)),
     )
+
+
+def _shard(st, input_spec: EdgeSpec, cfg: JobConfig, is_last: bool, loss: bytes, mb_target: EdgeSpec):
+    """``shard_stage`` for one split stage, or its kept result for the same program (and loss)
+    sharded the same way (controller/compiler/compile_cache.py)."""
+    plan = dict(cfg.tensor_parallel_plan)
+    return COMPILED.get(
+        "shard",
+        (st.program, loss) if is_last else (st.program,),
+        (st.index, cfg.tensor_parallel, repr(tuple(plan.items())), input_spec.tensors, is_last)
+        + ((mb_target,) if is_last else ())
+        + (cfg.sequence_parallel,),
+        lambda: shard_stage(
+            st.program,
+            st.index,
+            cfg.tensor_parallel,
+            plan,
+            [t.empty("cpu").zero_() for t in input_spec.tensors],
+            is_last,
+            loss,
+            mb_target,
+            cfg.sequence_parallel,
+        ),
+        _held_bytes,
+    )
+
+
+def _held_bytes(result) -> int:
+    sharded, losses = result
+    return sum(len(p) for p in sharded.programs) + sum(len(p) for p in losses or ())
 
 
 def _stage_input_spec(flow: Dataflow, stage: int) -> EdgeSpec:
