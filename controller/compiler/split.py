@@ -10,11 +10,14 @@ torch.distributed.pipelining). Every value computed in one stage and used by a l
 edge from its producer to each consumer, so a residual crosses once, not hop by hop. A parameter
 used by several stages (tied embeddings) is copied into each and listed as tied.
 
-Each stage is then exported on its own, so workers load it as any other exported program.
+Each stage then becomes an exported program of its own (built from its nodes where they are plain
+ATen operations, controller/compiler/stage_program.py; else exported again), so workers load it as
+any other exported program.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +26,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from atoll.controller.compiler.partition import balanced_partition
 from atoll.controller.compiler.program import fake_inputs, fake_mode
+from atoll.controller.compiler.stage_program import lift
 from atoll.core.dataflow import BATCH, Dataflow, Edge, TiedParameter
-from atoll.core.graphs import deserialize, export, graph_module
+from atoll.core.graphs import deserialize, export, graph_module, serialize
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
+
+log = logging.getLogger("atoll.controller")
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -122,6 +128,8 @@ class _ModelGraph:
             if node.op == "call_module" and str(node.target).startswith("_guards"):
                 gm.graph.erase_node(node)
         self.gm = gm
+        self.persistent = set(gm.state_dict(keep_vars=True))
+        """The buffers the model saves (the others stay out of the stages' state dicts too)."""
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         got = tuple(TensorSpec.of(n.meta["val"]) for n in self.placeholders if _is_tensor(n))
         if len(got) != len(self.placeholders) or got != input_spec.tensors:
@@ -351,8 +359,15 @@ def _start(g: _ModelGraph, first: int) -> str:
 def _export_stage(
     g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...], start: str
 ) -> SplitStage:
-    module = graph_module(g.gm, graph)  # copies the attributes the graph reads, under their names
-    args = tuple(torch.zeros(v.shape, dtype=v.dtype) for v in input_vals)
-    return SplitStage(
-        s, modules, start, export(module, args, f"stage {s} ({', '.join(modules)}) could not be exported")
-    )
+    try:
+        lifted = lift(g.gm, graph, g.persistent)
+    except Exception as e:  # a torch whose ExportedProgram wants more than this one's: trace it
+        log.debug("stage %d is exported again: %s: %s", s, type(e).__name__, e)
+        lifted = None
+    if lifted is not None:
+        program = serialize(lifted)
+    else:  # traced again (controller/compiler/stage_program.py says when)
+        module = graph_module(g.gm, graph)  # copies the attributes the graph reads, under their names
+        args = tuple(torch.zeros(v.shape, dtype=v.dtype) for v in input_vals)
+        program = export(module, args, f"stage {s} ({', '.join(modules)}) could not be exported")
+    return SplitStage(s, modules, start, program)
