@@ -3,13 +3,17 @@ same stages exported again by torch.export, the path they replace: the same oper
 order, the same signature, state and constants, bit-identical outputs and parameter gradients, and
 the same tensor-parallel cut. A stage with an in-place operation is left to torch.export."""
 
+import threading
+
 import pytest
 import torch
 
+import atoll.controller.compiler.parallel.tensor.stage as tensor_stage
 import atoll.controller.compiler.split as split
 from atoll.client.export import export_pipeline
 from atoll.controller.compiler.parallel.tensor import shard_stage
 from atoll.controller.compiler.passes import microbatch_spec
+from atoll.core import collectives
 from atoll.core.graphs import deserialize, export, graph_module, serialize
 from examples.gpt import lm_loss
 from tests import models
@@ -116,3 +120,54 @@ def test_a_stage_that_writes_in_place_is_exported_again(monkeypatch):
     for lifted, again, args in seen:
         if lifted is not None:
             _assert_same(lifted, again, args)
+
+
+def _island_run(programs: list[bytes], args: list[torch.Tensor]):
+    """Each island rank's program run in a thread (an in-memory island): outputs and gradients."""
+    from tests.test_tensor_parallel_pass import _ThreadIsland
+
+    island, results = _ThreadIsland(len(programs)), [None] * len(programs)
+    loaded = [deserialize(p, f"rank {t}") for t, p in enumerate(programs)]  # torch's loader is not thread-safe
+
+    def run(t):
+        with collectives.bind(island.member(t)):
+            results[t] = _run(loaded[t], args)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(len(programs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(r is not None for r in results), "a rank failed"
+    return results
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monkeypatch, sequence):
+    """Tensor parallelism's rewritten rank programs (controller/compiler/parallel/tensor/stage.py)
+    are lifted too, after their fake values are propagated again: against the same ranks exported."""
+    (_, again, args), *rest = _stages(monkeypatch, "transformer", 2)[1:]  # stage 1: no embedding
+    program = serialize(again)
+    cut = lambda: shard_stage(program, 1, 2, {}, args, False, b"", None, sequence)[0]  # noqa: E731
+    lifted = cut()
+    monkeypatch.setattr(tensor_stage, "lift_rewritten", lambda module, inputs: None)
+    exported = cut()
+    assert (lifted.params, lifted.modules, lifted.rank_collectives) == (
+        exported.params,
+        exported.modules,
+        exported.rank_collectives,
+    )
+    for a, b in zip(lifted.programs, exported.programs, strict=True):
+        ea, eb = deserialize(a, "lifted"), deserialize(b, "exported")
+        ops = [n.target for n in ea.graph.nodes if n.op == "call_function"]
+        assert ops == [n.target for n in eb.graph.nodes if n.op == "call_function"]
+        assert [(s.kind, s.target) for s in ea.graph_signature.input_specs] == [
+            (s.kind, s.target) for s in eb.graph_signature.input_specs
+        ]
+    torch.manual_seed(0)
+    inputs = [_example(a) for a in args]
+    for (out_l, grads_l), (out_e, grads_e) in zip(
+        _island_run(lifted.programs, inputs), _island_run(exported.programs, inputs), strict=True
+    ):
+        assert all(torch.equal(p, q) for p, q in zip(out_l, out_e, strict=True))
+        assert all(torch.equal(grads_l[k], grads_e[k]) for k in grads_e if grads_e[k] is not None)

@@ -17,7 +17,6 @@ any other exported program.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +30,6 @@ from atoll.core.dataflow import BATCH, Dataflow, Edge, TiedParameter
 from atoll.core.graphs import deserialize, export, graph_module, serialize
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
-
-log = logging.getLogger("atoll.controller")
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -359,11 +356,7 @@ def _start(g: _ModelGraph, first: int) -> str:
 def _export_stage(
     g: _ModelGraph, graph: fx.Graph, s: int, input_vals: list, modules: tuple[str, ...], start: str
 ) -> SplitStage:
-    try:
-        lifted = lift(g.gm, graph, g.persistent)
-    except Exception as e:  # a torch whose ExportedProgram wants more than this one's: trace it
-        log.debug("stage %d is exported again: %s: %s", s, type(e).__name__, e)
-        lifted = None
+    lifted = lift(g.gm, graph, g.persistent)
     if lifted is not None:
         program = serialize(lifted)
     else:  # traced again (controller/compiler/stage_program.py says when)

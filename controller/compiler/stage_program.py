@@ -11,19 +11,25 @@ signature, bit-identical outputs and gradients, the same tensor-parallel cut
 (tests/test_stage_program.py, against the re-export, on seven models: MLPs, GPTs, tied weights,
 Hugging Face GPT-2 and Mistral). Its nodes keep the names they had in the whole model.
 
+Tensor parallelism's rewrite of a stage for each island rank (new collectives, cut shapes) is
+lifted the same way once its fake values are propagated again (``lift_rewritten``).
+
 Anything else (an in-place or other mutating operation, whose effect on an input or a buffer
-export would have to record; a higher-order operation or submodule; a non-tensor attribute; a
-repeated or pass-through output) returns None, and the caller exports the stage as before.
+export would have to record; a higher-order operation, a submodule or a Python function in the
+graph, as the vocabulary-parallel embedding; a non-tensor attribute; a repeated or pass-through
+output; a failure) returns None, and the caller exports the stage as before.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.exported_program import ExportedProgram, ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
     ExportGraphSignature,
@@ -33,6 +39,9 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+log = logging.getLogger("atoll.controller")
 
 _LIFTED = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_", InputKind.CONSTANT_TENSOR: "c_"}
 """torch.export's placeholder prefixes for what it lifts, in its order."""
@@ -42,6 +51,14 @@ def lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> Export
     """``graph`` (its attributes read from ``root``; ``persistent``: the buffers in ``root``'s
     state dict) as an ExportedProgram, or None where only tracing it again can say what it is.
     ``graph`` itself is left as it was."""
+    try:
+        return _lift(root, graph, persistent)
+    except Exception as e:  # a torch whose ExportedProgram wants more than this one's: trace it
+        log.debug("a stage is exported again: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> ExportedProgram | None:
     if not all(_plain(n) for n in graph.nodes):
         return None
     output = next(n for n in graph.nodes if n.op == "output")
@@ -104,6 +121,29 @@ def lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> Export
         module_call_graph=[ModuleCallEntry("", call)],
         constants=constants,
     )
+
+
+def lift_rewritten(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> ExportedProgram | None:
+    """``lift`` for a graph whose nodes lost or changed their fake values (tensor parallelism's
+    rewrite, which cuts shapes and adds collectives): the values are propagated again on fake
+    tensors of ``inputs`` and the module's own (sharded) weights first, a third of what tracing costs."""
+    if not all(_plain(n) for n in module.graph.nodes):
+        return None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            _FakeValues(module, mode).propagate(*inputs)
+    except Exception as e:  # let torch.export say what is wrong, if anything is
+        log.debug("a sharded stage is exported again: %s: %s", type(e).__name__, e)
+        return None
+    return lift(module, module.graph, set(module.state_dict(keep_vars=True)))
+
+
+class _FakeValues(FakeTensorProp):
+    """Fake values for every node, the weights' included (their fakes, not the real tensors)."""
+
+    def fetch_attr(self, target: str):
+        value = super().fetch_attr(target)
+        return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
 
 
 def _plain(node: fx.Node) -> bool:
