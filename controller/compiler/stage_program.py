@@ -126,7 +126,7 @@ def _lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> Expor
 def lift_rewritten(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> ExportedProgram | None:
     """``lift`` for a graph whose nodes lost or changed their fake values (tensor parallelism's
     rewrite, which cuts shapes and adds collectives): the values are propagated again on fake
-    tensors of ``inputs`` and the module's own (sharded) weights first, a third of what tracing costs."""
+    tensors of ``inputs`` and the module's own (sharded) weights first, at a fraction of what tracing costs."""
     if not all(_plain(n) for n in module.graph.nodes):
         return None
     try:
