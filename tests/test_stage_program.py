@@ -122,6 +122,9 @@ def test_a_stage_that_writes_in_place_is_exported_again(monkeypatch):
             _assert_same(lifted, again, args)
 
 
+_CHECK = torch.ops.aten._assert_tensor_metadata.default
+
+
 def _island_run(programs: list[bytes], args: list[torch.Tensor]):
     """Each island rank's program run in a thread (an in-memory island): outputs and gradients."""
     from tests.test_tensor_parallel_pass import _ThreadIsland
@@ -142,13 +145,14 @@ def _island_run(programs: list[bytes], args: list[torch.Tensor]):
     return results
 
 
-@pytest.mark.parametrize("sequence", [False, True])
-def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monkeypatch, sequence):
+@pytest.mark.parametrize("stage, sequence", [(0, False), (1, False), (0, True), (1, True)])
+def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monkeypatch, stage, sequence):
     """Tensor parallelism's rewritten rank programs (controller/compiler/parallel/tensor/stage.py)
-    are lifted too, after their fake values are propagated again: against the same ranks exported."""
-    (_, again, args), *rest = _stages(monkeypatch, "transformer", 2)[1:]  # stage 1: no embedding
+    are lifted too, after their fake values are propagated again and the vocabulary-parallel
+    embedding (stage 0) is traced into ATen operations: against the same ranks exported."""
+    _, again, args = _stages(monkeypatch, "transformer", 2)[stage]
     program = serialize(again)
-    cut = lambda: shard_stage(program, 1, 2, {}, args, False, b"", None, sequence)[0]  # noqa: E731
+    cut = lambda: shard_stage(program, stage, 2, {}, args, False, b"", None, sequence)[0]  # noqa: E731
     lifted = cut()
     monkeypatch.setattr(tensor_stage, "lift_rewritten", lambda module, inputs: None)
     exported = cut()
@@ -159,8 +163,9 @@ def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monke
     )
     for a, b in zip(lifted.programs, exported.programs, strict=True):
         ea, eb = deserialize(a, "lifted"), deserialize(b, "exported")
-        ops = [n.target for n in ea.graph.nodes if n.op == "call_function"]
-        assert ops == [n.target for n in eb.graph.nodes if n.op == "call_function"]
+        # export also checks the dtype ahead of a ``.to`` the embedding's trace has (a check only)
+        ops = lambda ep: [n.target for n in ep.graph.nodes if n.op == "call_function" and n.target != _CHECK]  # noqa: E731
+        assert ops(ea) == ops(eb)
         assert [(s.kind, s.target) for s in ea.graph_signature.input_specs] == [
             (s.kind, s.target) for s in eb.graph_signature.input_specs
         ]
