@@ -147,37 +147,37 @@ def lift_rewritten(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> 
 def _inline_functions(module: fx.GraphModule) -> bool:
     """Each call of a Python function in the graph (the vocabulary-parallel embedding) replaced by
     the ATen operations it runs, traced as export would trace it (pre-dispatch, on the call's fake
-    arguments); False where some node is still not plain ATen."""
-    graph = module.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or _plain(node) or isinstance(node.target, torch._ops.OperatorBase):
+    arguments); False, with the graph as it was, where that cannot make every node plain ATen."""
+    traced = []
+    for node in module.graph.nodes:
+        if _plain(node):
             continue
-        operands = [a for a in node.all_input_nodes]
-        if node.kwargs or any(isinstance(a, (list, tuple, dict)) for a in node.args):
+        python_call = node.op == "call_function" and not isinstance(node.target, torch._ops.OperatorBase)
+        if not python_call or node.kwargs or any(isinstance(a, (list, tuple, dict)) for a in node.args):
             return False
+        operands = list(node.all_input_nodes)
 
         def call(*values, node=node, operands=operands):
             swap = dict(zip(operands, values))
             return node.target(*[swap.get(a, a) if isinstance(a, fx.Node) else a for a in node.args])
 
-        traced = make_fx(call, pre_dispatch=True)(*[a.meta["val"] for a in operands])
-        env, placeholders = {}, iter(operands)
-        with graph.inserting_before(node):
-            for inner in traced.graph.nodes:
-                if inner.op == "placeholder":
-                    env[inner] = next(placeholders)
-                elif inner.op == "output":
-                    result = inner.args[0]
-                elif inner.op == "call_function":
-                    env[inner] = graph.node_copy(inner, env.__getitem__)
-                else:  # a captured constant or a submodule: not this kind of function
-                    return False
-        if not isinstance(result, fx.Node):
-            return False
+        inner = make_fx(call, pre_dispatch=True)(*[a.meta["val"] for a in operands]).graph
+        output = next(n for n in inner.nodes if n.op == "output")
+        if not isinstance(output.args[0], fx.Node) or any(
+            n.op not in ("placeholder", "output") and (n.op != "call_function" or not _plain(n)) for n in inner.nodes
+        ):
+            return False  # a captured constant, a submodule, several results: export decides
+        traced.append((node, operands, inner, output.args[0]))
+    for node, operands, inner, result in traced:
+        env = dict(zip((n for n in inner.nodes if n.op == "placeholder"), operands))
+        with module.graph.inserting_before(node):
+            for n in inner.nodes:
+                if n.op == "call_function":
+                    env[n] = module.graph.node_copy(n, env.__getitem__)
         node.replace_all_uses_with(env[result])
-        graph.erase_node(node)
+        module.graph.erase_node(node)
     module.recompile()
-    return all(_plain(n) for n in graph.nodes)
+    return True
 
 
 class _FakeValues(FakeTensorProp):
