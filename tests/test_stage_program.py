@@ -7,7 +7,9 @@ import threading
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
+import atoll.controller.compiler.parallel.tensor.loss as tensor_loss
 import atoll.controller.compiler.parallel.tensor.stage as tensor_stage
 import atoll.controller.compiler.split as split
 from atoll.client.export import export_pipeline
@@ -53,11 +55,13 @@ def _stages(monkeypatch, name: str, stages: int):
 
 
 def _run(ep, args):
+    """Outputs (flat) and the gradients of the parameters and the floating-point inputs."""
     module = ep.module()
     inputs = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
-    outputs = module(*inputs)
+    outputs = pytree.tree_leaves(module(*inputs))
     sum(o.float().sum() for o in outputs).backward()
-    return outputs, {k: p.grad for k, p in module.named_parameters()}
+    grads = {f"input {i}": a.grad for i, a in enumerate(inputs)}
+    return outputs, grads | {k: p.grad for k, p in module.named_parameters()}
 
 
 def _example(like: torch.Tensor) -> torch.Tensor:
@@ -176,3 +180,32 @@ def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monke
     ):
         assert all(torch.equal(p, q) for p, q in zip(out_l, out_e, strict=True))
         assert all(torch.equal(grads_l[k], grads_e[k]) for k in grads_e if grads_e[k] is not None)
+
+
+def test_a_vocabulary_parallel_loss_lifted_after_the_rewrite_runs_as_the_exported_one(monkeypatch):
+    """The last stage's loss, rewritten for each island rank into the vocabulary-parallel
+    cross-entropy (controller/compiler/parallel/tensor/loss.py), lifted against exported."""
+    model, batches, loss_fn = models.transformer(layers=2)
+    x, y = batches[0]
+    exported = export_pipeline(model, x, y, loss_fn, 2)
+    _, again, args = _stages(monkeypatch, "transformer", 2)[1]
+    target = microbatch_spec(exported.target, 2)
+    cut = lambda: shard_stage(serialize(again), 1, 2, {}, args, True, exported.loss, target)[1]  # noqa: E731
+    made, real = [], tensor_loss.lift_rewritten
+    monkeypatch.setattr(
+        tensor_loss, "lift_rewritten", lambda module, inputs: made.append(real(module, inputs)) or made[-1]
+    )
+    lifted = cut()
+    assert len(made) == 2 and None not in made  # both ranks' losses were lifted
+    monkeypatch.setattr(tensor_loss, "lift_rewritten", lambda module, inputs: None)
+    exported_losses = cut()
+    assert len(lifted) == len(exported_losses) == 2
+    program = deserialize(lifted[0], "loss")
+    logits = next(n for n in program.graph.nodes if n.name == program.graph_signature.user_inputs[0])
+    torch.manual_seed(0)
+    inputs = [torch.randn(logits.meta["val"].shape), _example(torch.zeros(target.tensors[0].shape, dtype=torch.long))]
+    for (out_l, grads_l), (out_e, grads_e) in zip(
+        _island_run(lifted, inputs), _island_run(exported_losses, inputs), strict=True
+    ):
+        assert len(out_l) == len(out_e) == 1 and torch.equal(out_l[0], out_e[0])
+        assert torch.equal(grads_l["input 0"], grads_e["input 0"])
