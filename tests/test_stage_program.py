@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-import atoll.controller.compiler.parallel.tensor.loss as tensor_loss
-import atoll.controller.compiler.parallel.tensor.stage as tensor_stage
 import atoll.controller.compiler.split as split
+import atoll.controller.compiler.stage_program as stage_program
 from atoll.client.export import export_pipeline
 from atoll.controller.compiler.parallel.tensor import shard_stage
 from atoll.controller.compiler.passes import microbatch_spec
@@ -158,7 +157,7 @@ def test_a_sharded_stage_lifted_after_the_rewrite_runs_as_the_exported_one(monke
     program = serialize(again)
     cut = lambda: shard_stage(program, stage, 2, {}, args, False, b"", None, sequence)[0]  # noqa: E731
     lifted = cut()
-    monkeypatch.setattr(tensor_stage, "lift_rewritten", lambda module, inputs: None)
+    monkeypatch.setattr(stage_program, "lift_rewritten", lambda module, inputs: None)
     exported = cut()
     assert (lifted.params, lifted.modules, lifted.rank_collectives) == (
         exported.params,
@@ -191,13 +190,18 @@ def test_a_vocabulary_parallel_loss_lifted_after_the_rewrite_runs_as_the_exporte
     _, again, args = _stages(monkeypatch, "transformer", 2)[1]
     target = microbatch_spec(exported.target, 2)
     cut = lambda: shard_stage(serialize(again), 1, 2, {}, args, True, exported.loss, target)[1]  # noqa: E731
-    made, real = [], tensor_loss.lift_rewritten
-    monkeypatch.setattr(
-        tensor_loss, "lift_rewritten", lambda module, inputs: made.append(real(module, inputs)) or made[-1]
-    )
+    made, real = [], stage_program.lift_rewritten
+
+    def counted(module, inputs):
+        lifted = real(module, inputs)
+        if len(inputs) == len(target.tensors) + 1:  # a loss program: the logits and the target
+            made.append(lifted)
+        return lifted
+
+    monkeypatch.setattr(stage_program, "lift_rewritten", counted)
     lifted = cut()
     assert len(made) == 2 and None not in made  # both ranks' losses were lifted
-    monkeypatch.setattr(tensor_loss, "lift_rewritten", lambda module, inputs: None)
+    monkeypatch.setattr(stage_program, "lift_rewritten", lambda module, inputs: None)
     exported_losses = cut()
     assert len(lifted) == len(exported_losses) == 2
     program = deserialize(lifted[0], "loss")

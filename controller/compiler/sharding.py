@@ -53,9 +53,15 @@ def _shard(st, input_spec: EdgeSpec, cfg: JobConfig, is_last: bool, loss: bytes,
     return COMPILED.get(
         "shard",
         (st.program, loss) if is_last else (st.program,),
-        (st.index, cfg.tensor_parallel, repr(tuple(plan.items())), input_spec.tensors, is_last)
-        + ((mb_target,) if is_last else ())
-        + (cfg.sequence_parallel,),
+        (
+            st.index,
+            cfg.tensor_parallel,
+            repr(tuple(plan.items())),
+            input_spec.tensors,
+            is_last,
+            mb_target if is_last else None,
+            cfg.sequence_parallel,
+        ),
         lambda: shard_stage(
             st.program,
             st.index,

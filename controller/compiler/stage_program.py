@@ -47,6 +47,8 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from atoll.core.graphs import export, serialize
+
 log = logging.getLogger("atoll.controller")
 
 _LIFTED = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_", InputKind.CONSTANT_TENSOR: "c_"}
@@ -127,6 +129,13 @@ def _lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> Expor
         module_call_graph=[ModuleCallEntry("", call)],
         constants=constants,
     )
+
+
+def rewritten_program(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], failure: str) -> bytes:
+    """The serialized program of a rewritten graph at ``inputs``: lifted where it can be, else
+    exported (a failure raises InvalidInput starting ``failure``)."""
+    lifted = lift_rewritten(module, inputs)
+    return serialize(lifted) if lifted is not None else export(module, inputs, failure)
 
 
 def lift_rewritten(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> ExportedProgram | None:

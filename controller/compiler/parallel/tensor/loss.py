@@ -15,8 +15,7 @@ from torch import fx
 from atoll.controller.compiler.parallel.graph_ops import tensor_value as _val
 from atoll.controller.compiler.parallel.tensor.propagate import Conflict, Decisions, Pass, Shard, decide, load_graph
 from atoll.controller.compiler.parallel.tensor.rewrite import rewrite
-from atoll.controller.compiler.stage_program import lift_rewritten
-from atoll.core.graphs import export, serialize
+from atoll.controller.compiler.stage_program import rewritten_program
 
 
 def _loss_decisions(lgm: fx.GraphModule, d: Decisions, ranks: int, target_spec) -> Decisions:
@@ -58,8 +57,5 @@ def export_loss(lgm: fx.GraphModule, ld: Decisions, d: Decisions, rank: int, ran
     shape = list(logits.shape)
     shape[d.output_dims[0]] //= ranks
     args = (torch.zeros(shape, dtype=logits.dtype), *(s.empty("cpu").zero_() for s in target_spec.tensors))
-    module = rewrite(lgm, ld, rank, ranks)
-    lifted = lift_rewritten(module, args)  # the vocabulary-parallel cross-entropy traced into ATen
-    if lifted is not None:
-        return serialize(lifted)
-    return export(module, args, f"the loss (rank {rank}) could not be exported after sharding")
+    failure = f"the loss (rank {rank}) could not be exported after sharding"
+    return rewritten_program(rewrite(lgm, ld, rank, ranks), args, failure)

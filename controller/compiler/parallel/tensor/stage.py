@@ -17,8 +17,7 @@ from atoll.controller.compiler.parallel.tensor.inventory import (
 from atoll.controller.compiler.parallel.tensor.loss import decide_with_loss, export_loss
 from atoll.controller.compiler.parallel.tensor.propagate import Shard, load_graph
 from atoll.controller.compiler.parallel.tensor.rewrite import rewrite
-from atoll.controller.compiler.stage_program import lift_rewritten
-from atoll.core.graphs import export, serialize
+from atoll.controller.compiler.stage_program import rewritten_program
 
 
 def shard_stage(
@@ -47,9 +46,8 @@ def shard_stage(
     for t in range(ranks):
         local_inputs = tuple(inputs)
         module = rewrite(gm, d, t, ranks, sp)
-        lifted = lift_rewritten(module, local_inputs)
         failure = f"stage {index} (rank {t} of its island) could not be exported after sharding"
-        programs.append(serialize(lifted) if lifted is not None else export(module, local_inputs, failure))
+        programs.append(rewritten_program(module, local_inputs, failure))
         if loss_decisions is not None:
             loss_out.append(export_loss(lgm, loss_decisions, d, t, ranks, target_spec))
     stage = ShardedStage(
