@@ -81,9 +81,9 @@ class SkipNet(nn.Module):
         return self.out(h + skip)
 
 
-def skip_net(seed: int = 0) -> tuple[nn.Module, list, callable]:
+def skip_net(seed: int = 0, width: int = 32) -> tuple[nn.Module, list, callable]:
     torch.manual_seed(seed)
-    model = SkipNet()
+    model = SkipNet(width)
     g = torch.Generator().manual_seed(seed + 1)
     batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(4)]
     return model, batches, F.mse_loss
@@ -104,9 +104,9 @@ class TiedLM(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(idx))))
 
 
-def tied_lm(seed: int = 0) -> tuple[nn.Module, list, callable]:
+def tied_lm(seed: int = 0, width: int = 32) -> tuple[nn.Module, list, callable]:
     torch.manual_seed(seed)
-    model = TiedLM()
+    model = TiedLM(width=width)
     g = torch.Generator().manual_seed(seed + 1)
     batches = [
         (torch.randint(0, 24, (8, 12), generator=g), torch.randint(0, 24, (8, 12), generator=g)) for _ in range(4)

@@ -123,3 +123,23 @@ def test_no_output_gradient_leaves_both_halves_nothing_to_do():
     half = backward_input([], [], [x], [weight])
     backward_weight(half, [weight])
     assert x.grad is None and weight.grad is None and half.kept() == []
+
+
+@pytest.mark.parametrize("first_stage", [False, True], ids=["inner", "first"])
+def test_weight_halves_add_linear_gradients_in_place_over_microbatches(first_stage):
+    """A chain's linear layers take their weight halves in place (atoll.core.linear_grads): each
+    group is one layer, and two microbatches' halves give the full backwards' summed gradients."""
+    torch.manual_seed(0)
+    model = _chain().double()
+    twin = copy.deepcopy(model)
+    for _ in range(2):
+        x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=not first_stage)
+        grad = torch.randn(2, 3, 8, dtype=torch.float64)
+        torch.autograd.backward([model(x)], [grad])
+        x_twin = x.detach().clone().requires_grad_(not first_stage)
+        half = backward_input([twin(x_twin)], [grad], [x_twin], list(twin.parameters()))
+        if not first_stage:
+            assert [g.linear is not None for g in half.groups] == [True, True]
+        backward_weight(half, list(twin.parameters()))
+    for (name, ref), got in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -5,6 +5,7 @@ plan's predicted memory against what each worker counted."""
 
 import pytest
 
+from atoll.core import linear_grads
 from atoll.errors import InvalidInput
 from tests import models
 from tests.reference import assert_losses_match, assert_matches_reference, train_reference
@@ -70,6 +71,24 @@ def test_zero_bubble_matches_single_process(client4, schedule, make):
     job, losses, state = run_pipeline(
         client4, model, batches, loss_fn, optimizer="adamw", optimizer_args=ADAMW, **settings
     )
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
+    assert_matches_reference(losses, state, ref_losses, ref_state)
+    _memory_matches(job, exact_last=make is models.tied_lm)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("make", [models.skip_net, models.tied_lm], ids=["skip_net", "tied_lm"])
+def test_in_place_linear_gradients_match_single_process(client4, schedule, make):
+    """At width 256 the blocks' matrices (256 x 512) pass ``MIN_WEIGHT_ELEMENTS``: the workers add
+    those layers' weight gradients in place (atoll.core.linear_grads), in 1F1B's whole backwards
+    and in ZB-H1's weight halves, beside a skip edge and a tied embedding autograd keeps."""
+    assert 256 * 512 >= linear_grads.MIN_WEIGHT_ELEMENTS
+    model, batches, loss_fn = _float64(lambda: make(width=256))
+    job, losses, state = run_pipeline(
+        client4, model, batches, loss_fn, stages=2, microbatches=4, schedule=schedule, optimizer="adamw",
+        optimizer_args=ADAMW,
+    )  # fmt: skip
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", ADAMW)
     assert_matches_reference(losses, state, ref_losses, ref_state)
     _memory_matches(job, exact_last=make is models.tied_lm)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atoll.core import split_backward
+from atoll.core import linear_grads, split_backward
 from atoll.core.actions import Action, Kind
 from atoll.core.memory import SavedTensors, storage_key
 from atoll.core.precision import as_specified, mixed_precision
@@ -190,7 +190,9 @@ def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
         ex.observe(state)
     roots, grads = _roots(ex, action, state, outputs)
     with _armed(ex, s, m):
-        if roots:
+        if roots and ex.fuse_linear_grads[s]:
+            linear_grads.backward(roots, grads, None)
+        elif roots:
             torch.autograd.backward(roots, grads)
     state.activation_bytes -= stash.nbytes + recomputed
     _keep_input_grads(ex, s, m, stash, state)
@@ -224,5 +226,5 @@ def backward_weight(ex: PipelineExecutor, action: Action, state: StepState) -> N
     half, held = taken
     stash = state.stash.pop((s, m))
     with _armed(ex, s, m):
-        split_backward.backward_weight(half, ex.stage_params[s])
+        split_backward.backward_weight(half, ex.stage_params[s], fuse=ex.fuse_linear_grads[s])
     state.activation_bytes -= stash.nbytes + held

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.core import collectives
+from atoll.core import collectives, linear_grads
 from atoll.core.actions import Action, Kind
 from atoll.core.config import WorkerSettings
 from atoll.core.dataflow import Routes
@@ -102,6 +102,8 @@ class PipelineExecutor:
         held = [p for s in stages for _, p in s.graph.named_parameters()]
         self.stage_params = {s.index: [p for _, p in s.graph.named_parameters() if p.requires_grad] for s in stages}
         self.params = [p for ps in self.stage_params.values() for p in ps]
+        self.fuse_linear_grads = {s: linear_grads.worth_fusing(ps) for s, ps in self.stage_params.items()}
+        """Stages whose backward adds linear layers' weight gradients in place (atoll.core.linear_grads)."""
         self.base = base
         # ZeRO: the parameters move into one flat buffer; this replica's optimizer steps its shard
         self.zero = None
@@ -172,6 +174,8 @@ class PipelineExecutor:
         if self.zero is None:
             tied = {id(p) for copies in self.tied.values() for p in copies}
             self.buckets = GradBuckets(self.stage_params, tied, group, self.timeout_s)
+            # the buckets take each gradient from a hook on autograd's accumulation: no fusing
+            self.fuse_linear_grads = dict.fromkeys(self.fuse_linear_grads, False)
 
     def _slot_specs(self, recv_slots: dict[Action, int]) -> dict[int, list[TensorSpec]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""

@@ -1,0 +1,48 @@
+"""Walks over a backward graph (torch.autograd's nodes), shared by the split backward and the fused
+linear weight gradients."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.autograd.graph import Node
+
+
+def node_of(t: torch.Tensor) -> Node | None:
+    """The autograd node a tensor's gradient flows into (a leaf's accumulator, made on demand)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def parents_of(roots: list[Node]) -> dict[Node, list[Node]]:
+    """For each node below ``roots``, the nodes whose backward feeds it."""
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    todo, seen = collections.deque(roots), set(roots)
+    while todo:
+        node = todo.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return parents
+
+
+def above(start: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes from ``start`` up towards the outputs, not passing ``stop``: (reached, stops met)."""
+    reached, met = set(start), set()
+    todo = collections.deque(start)
+    while todo:
+        for parent in parents.get(todo.popleft(), ()):
+            if parent in stop:
+                met.add(parent)
+            elif parent not in reached:
+                reached.add(parent)
+                todo.append(parent)
+    return reached, met

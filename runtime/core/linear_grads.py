@@ -1,0 +1,137 @@
+"""Linear layers' weight gradients added straight into ``.grad`` by one GEMM, as Megatron-LM's
+gradient accumulation fusion does, instead of autograd's product into a fresh matrix followed by
+``AccumulateGrad``'s add over it: ``weight.grad.addmm_(g.T, x)`` (beta 1) for the product's output
+gradient ``g`` and input ``x``. Over microbatches a weight's gradient is added to at every
+backward, so the add is a whole extra pass over the gradient each time. Measured on this
+project's 2-core machine, a 1024 x 1024 weight at 32 rows, one thread: 0.85 ms against 1.3-1.4 ms
+per microbatch.
+
+A product qualifies when it is a linear layer as torch runs one (``addmm(bias, x, weight.t())``
+with alpha and beta 1, or ``mm(x, weight.t())``: ``aten.linear`` of a 2-D input or a contiguous
+3-D one), its weight (and bias) reach the loss through it alone (not tied, not cast), all in one
+dtype, the weight a contiguous matrix. Anything else is left to autograd as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import Node
+
+from atoll.core.autograd_graph import above, node_of, parents_of
+
+MIN_WEIGHT_ELEMENTS = 1 << 16
+"""Fusing pays for a walk over the backward graph per backward (tens of microseconds); it saves
+a pass over each weight's gradient. Stages whose largest matrix is smaller than this (256 KiB in
+float32) keep autograd's backward: the pass costs them less than the walk."""
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """A linear layer's product node, its input, its weight and its bias (None: no bias, or one
+    that needs no gradient)."""
+
+    node: Node
+    x: torch.Tensor
+    """The product's input as autograd saved it (held here: a whole backward frees the node's)."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Add the weight and bias gradients of the product whose output gradient is ``grad``."""
+        if self.weight.grad is None:
+            self.weight.grad = torch.mm(grad.t(), self.x)
+        else:
+            self.weight.grad.addmm_(grad.t(), self.x)
+        if self.bias is not None:
+            if self.bias.grad is None:
+                self.bias.grad = grad.sum(0)
+            else:
+                self.bias.grad.add_(grad.sum(0))
+
+
+def _name(node: Node | None) -> str:
+    return type(node).__name__
+
+
+def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list[Node]]) -> Linear | None:
+    """``node`` as a linear layer whose weight (and bias, if it needs a gradient) are among
+    ``weights`` (accumulator node -> weight) and reach the outputs through ``node`` alone; else None."""
+    name = _name(node)
+    if name == "AddmmBackward0":
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return None
+        bias_fn, transpose, x = node.next_functions[0][0], node.next_functions[2][0], node._saved_mat1
+    elif name == "MmBackward0":
+        bias_fn, transpose, x = None, node.next_functions[1][0], node._saved_self
+    else:
+        return None
+    if _name(transpose) != "TBackward0" or parents.get(transpose) != [node]:
+        return None
+    accumulator = transpose.next_functions[0][0]
+    weight = weights.get(accumulator)
+    if weight is None or parents.get(accumulator) != [transpose] or not weight.is_contiguous():
+        return None
+    bias = None
+    if bias_fn is not None:
+        bias = weights.get(bias_fn)
+        if bias is None or parents.get(bias_fn) != [node] or bias.dim() != 1:
+            return None
+    if x.dim() != 2 or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        return None
+    return Linear(node, x, weight, bias)
+
+
+def _input_node(linear: Linear) -> Node | None:
+    """Where the product's input gradient goes (None: the input needs none)."""
+    return linear.node.next_functions[1 if _name(linear.node) == "AddmmBackward0" else 0][0]
+
+
+def worth_fusing(weights: list[torch.Tensor]) -> bool:
+    """Whether a stage with these parameters has a matrix large enough to fuse (``MIN_WEIGHT_ELEMENTS``)."""
+    return any(w.dim() == 2 and w.numel() >= MIN_WEIGHT_ELEMENTS for w in weights)
+
+
+def plan(roots: list[torch.Tensor], leaves: list[torch.Tensor] | None) -> tuple[list[Linear], list[torch.Tensor]]:
+    """The linear layers whose gradients ``backward`` adds in place, and the leaves autograd is
+    left to (``leaves`` None: every leaf under ``roots`` that needs a gradient, as autograd's
+    default). A layer's product node runs (and its pre-hook fires) only where autograd still has
+    a leaf under it: a layer whose input needs no gradient and leads to no other leaf (a first
+    stage's first layer) is left to autograd. The lowest layer fused always has such a leaf."""
+    root_nodes = [n for n in map(node_of, roots) if n is not None]
+    parents = parents_of(root_nodes)
+    nodes = dict.fromkeys([*root_nodes, *parents])  # each once: a root may also lie below another
+    if leaves is None:
+        accumulators = {n: n.variable for n in nodes if _name(n) == "AccumulateGrad"}
+    else:
+        accumulators = {n: t for t in leaves if (n := node_of(t)) is not None and n in parents}
+    below, _ = above(list(accumulators), parents, set())  # nodes with a leaf at or under them
+    linears = [lin for node in nodes if (lin := find(node, accumulators, parents)) and _input_node(lin) in below]
+    fused = {id(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None}
+    return linears, [t for t in accumulators.values() if id(t) not in fused]
+
+
+def backward(
+    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, leaves: list[torch.Tensor] | None
+) -> None:
+    """``torch.autograd.backward(roots, root_grads, inputs=leaves)``, with the weight and bias
+    gradients of the linear layers ``plan`` finds added in place by a pre-hook on each one's
+    product node while autograd computes the rest."""
+    linears, rest = plan(roots, leaves)
+    if not rest:  # no leaf at all
+        return
+    hooks = [lin.node.register_prehook(_adder(lin)) for lin in linears]
+    try:
+        torch.autograd.backward(roots, root_grads, inputs=rest)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _adder(linear: Linear):
+    def hook(grad_outputs):
+        if grad_outputs[0] is not None:
+            linear.accumulate(grad_outputs[0])
+
+    return hook
