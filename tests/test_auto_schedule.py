@@ -1,6 +1,8 @@
 """schedule="auto": every candidate simulated at the job's costs, the fastest kept, the choice
 explained in the plan; on a cluster, the client calibrates the costs on the workers first."""
 
+import types
+
 import pytest
 
 from atoll.controller.compiler.autoschedule import TIE
@@ -137,3 +139,45 @@ def test_the_measured_step_overhead_is_added_to_every_candidate():
     }
     loaded = {c.schedule: c.predicted_step_s for c in _compile(schedule_costs=costs).schedule_choice.candidates}
     assert loaded == {name: step + 2.5 for name, step in plain.items()}
+
+
+class _Copy:
+    """A calibration copy standing in for a Job: each step moves the shared clock on by its
+    schedule's seconds (no sleeping: the test reads no real time)."""
+
+    def __init__(self, config, seconds, clock):
+        self.schedule, self.seconds, self.clock = config.schedule, seconds, clock
+        self.steps, self.closed, self.last = 0, False, None
+
+    def step(self, *batch):
+        self.clock[0] += self.seconds
+        self.steps += 1
+
+    def timeline(self, last):
+        self.last = last
+        return types.SimpleNamespace(summary={"measured_costs": {"0F": self.seconds}})
+
+    def close(self):
+        self.closed = True
+
+
+FAR, NEAR = {"1f1b": 0.002, "gpipe": 0.006}, {"1f1b": 0.004, "gpipe": 0.0041}
+
+
+@pytest.mark.parametrize(("seconds", "steps"), [(FAR, 10), (NEAR, 30)], ids=["far apart", "close"])
+def test_calibration_measures_longer_only_where_the_choice_is_close(monkeypatch, seconds, steps):
+    """Ten steps each where the fastest two are far apart; thirty where their medians lie within
+    5% (the median of nine steps is itself about that uncertain); every copy closed."""
+    from atoll.client import calibrate
+
+    assert (calibrate.CALIBRATION_STEPS, calibrate.MAX_CALIBRATION_STEPS, calibrate.CLOSE) == (10, 30, 0.05)
+    clock = [0.0]
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    configs = [JobConfig(stages=2, microbatches=4, schedule=s) for s in seconds]
+    copies = []
+    submit = lambda config: copies.append(_Copy(config, seconds[config.schedule], clock)) or copies[-1]  # noqa: E731
+    costs = calibrate.run_copies(submit, configs, (None, None))
+    assert [(c.steps, c.last, c.closed) for c in copies] == [(steps, steps - 1, True)] * 2
+    assert costs["1f1b"]["0F"] == seconds["1f1b"] and costs["gpipe"]["0F"] == seconds["gpipe"]
+    assert calibrate.close_call([[1.0, 1.0], [1.04]]) and not calibrate.close_call([[1.0], [1.06]])
+    assert not calibrate.close_call([[1.0]])  # one candidate: nothing to decide

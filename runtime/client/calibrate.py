@@ -29,6 +29,17 @@ bench/pipeline.py, 2 ranks: 181-302 ms for 1F1B's 14 steps in one run, with no t
 first steps to the later ones): the median of nine, not the mean of two, is what a prediction
 within 10% needs."""
 
+MAX_CALIBRATION_STEPS = 30
+"""While the two fastest copies' median steps lie within ``CLOSE`` of each other, every copy
+trains one more step, up to this many in all: a longer measurement only where the choice is
+close. The median of nine such steps is itself about 5% uncertain, and with ten steps two
+candidates measured apart in the bench afterwards had been read level (the GPT example: 1F1B and
+GPipe predicted 0.2% apart, GPipe then measured 5% faster; the MLP job at 4 stages: GPipe
+predicted 4% ahead, ZB-H1 then measured 6% faster)."""
+
+CLOSE = 0.05
+"""How near (relative) the two fastest copies' median steps must be for the calibration to go on."""
+
 
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
     """The throw-away copies to measure: the job's own settings under each candidate schedule
@@ -55,9 +66,16 @@ def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
     return {**summary["measured_costs"], STEP_OVERHEAD_COST: max(0.0, wall_s - predicted)}
 
 
+def close_call(walls: list[list[float]]) -> bool:
+    """Whether the two fastest copies' median steps lie within ``CLOSE`` of each other."""
+    medians = sorted(statistics.median(times) for times in walls)
+    return len(medians) > 1 and medians[1] <= medians[0] * (1 + CLOSE)
+
+
 def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict[str, float]]:
     """Load every copy (``submit(config)`` returns its Job), train them ``CALIBRATION_STEPS``
-    steps on ``batch`` one step of each in turn, close them; each schedule's ``costs_of``."""
+    steps on ``batch`` one step of each in turn (up to ``MAX_CALIBRATION_STEPS`` while the
+    fastest two are a ``close_call``), close them; each schedule's ``costs_of``."""
     jobs = []
     try:
         for config in configs:
@@ -65,13 +83,15 @@ def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict
         for job in jobs:
             job.step(*batch)  # the first step warms up
         walls: list[list[float]] = [[] for _ in jobs]
-        for _ in range(CALIBRATION_STEPS - 1):
+        measured = 0
+        while measured < CALIBRATION_STEPS - 1 or (measured < MAX_CALIBRATION_STEPS - 1 and close_call(walls)):
             for job, times in zip(jobs, walls):
                 started = time.perf_counter()
                 job.step(*batch)
                 times.append(time.perf_counter() - started)
+            measured += 1
         return {
-            config.schedule: costs_of(job.timeline(last=CALIBRATION_STEPS - 1).summary, statistics.median(times))
+            config.schedule: costs_of(job.timeline(last=measured).summary, statistics.median(times))
             for config, job, times in zip(configs, jobs, walls)
         }
     finally:
