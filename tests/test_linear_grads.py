@@ -130,3 +130,9 @@ def test_the_executor_fuses_a_wide_stage_and_matches_pytorch(monkeypatch, width,
     got = executor.state_dict()
     for name, want in reference.state_dict().items():
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-12)
+
+
+def test_a_node_without_the_saved_values_this_code_reads_is_left_to_autograd():
+    """Another torch might name a product node's saved values otherwise: no fusing, no error."""
+    node = type("AddmmBackward0", (), {"next_functions": ()})()
+    assert linear_grads.find(node, {}, {}) is None

@@ -57,15 +57,19 @@ def _name(node: Node | None) -> str:
 
 def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list[Node]]) -> Linear | None:
     """``node`` as a linear layer whose weight (and bias, if it needs a gradient) are among
-    ``weights`` (accumulator node -> weight) and reach the outputs through ``node`` alone; else None."""
+    ``weights`` (accumulator node -> weight) and reach the outputs through ``node`` alone; else None
+    (also where this torch's nodes name their saved values otherwise: autograd does the layer)."""
     name = _name(node)
-    if name == "AddmmBackward0":
-        if node._saved_alpha != 1 or node._saved_beta != 1:
+    try:
+        if name == "AddmmBackward0":
+            if node._saved_alpha != 1 or node._saved_beta != 1:
+                return None
+            bias_fn, transpose, x = node.next_functions[0][0], node.next_functions[2][0], node._saved_mat1
+        elif name == "MmBackward0":
+            bias_fn, transpose, x = None, node.next_functions[1][0], node._saved_self
+        else:
             return None
-        bias_fn, transpose, x = node.next_functions[0][0], node.next_functions[2][0], node._saved_mat1
-    elif name == "MmBackward0":
-        bias_fn, transpose, x = None, node.next_functions[1][0], node._saved_self
-    else:
+    except AttributeError:
         return None
     if _name(transpose) != "TBackward0" or parents.get(transpose) != [node]:
         return None
