@@ -14,9 +14,8 @@ Hugging Face GPT-2 and Mistral). Its nodes keep the names they had in the whole 
 Tensor parallelism's rewrite of a stage (and of the loss) for each island rank (new collectives,
 cut shapes) is lifted the same way once its fake values are propagated again and its calls of
 Python functions (the vocabulary-parallel embedding and cross-entropy) are traced into the ATen
-operations they run
-(``lift_rewritten``): a GPT-2 stage's rewrite for 2 ranks took 1.3-1.6 s of CPU exported, 0.5-0.7
-s lifted.
+operations they run (``lift_rewritten``): a GPT-2 stage's rewrite for 2 ranks took 1.3-1.6 s of
+CPU exported, 0.5-0.7 s lifted.
 
 Anything else (an in-place or other mutating operation, whose effect on an input or a buffer
 export would have to record; a higher-order operation or a submodule; a non-tensor attribute; a

@@ -34,7 +34,9 @@ class Linear:
 
     node: Node
     x: torch.Tensor
-    """The product's input as autograd saved it (held here: a whole backward frees the node's)."""
+    """The product's input as autograd saved it."""
+    input_node: Node | None
+    """Where the product's input gradient goes (None: the input needs none)."""
     weight: torch.Tensor
     bias: torch.Tensor | None
 
@@ -64,9 +66,11 @@ def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list
         if name == "AddmmBackward0":
             if node._saved_alpha != 1 or node._saved_beta != 1:
                 return None
-            bias_fn, transpose, x = node.next_functions[0][0], node.next_functions[2][0], node._saved_mat1
+            (bias_fn, _), (source, _), (transpose, _) = node.next_functions
+            x = node._saved_mat1
         elif name == "MmBackward0":
-            bias_fn, transpose, x = None, node.next_functions[1][0], node._saved_self
+            (source, _), (transpose, _) = node.next_functions
+            bias_fn, x = None, node._saved_self
         else:
             return None
     except AttributeError:
@@ -84,12 +88,7 @@ def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list
             return None
     if x.dim() != 2 or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return None
-    return Linear(node, x, weight, bias)
-
-
-def _input_node(linear: Linear) -> Node | None:
-    """Where the product's input gradient goes (None: the input needs none)."""
-    return linear.node.next_functions[1 if _name(linear.node) == "AddmmBackward0" else 0][0]
+    return Linear(node, x, source, weight, bias)
 
 
 def worth_fusing(weights: list[torch.Tensor]) -> bool:
@@ -111,7 +110,7 @@ def plan(roots: list[torch.Tensor], leaves: list[torch.Tensor] | None) -> tuple[
     else:
         accumulators = {n: t for t in leaves if (n := node_of(t)) is not None and n in parents}
     below, _ = above(list(accumulators), parents, set())  # nodes with a leaf at or under them
-    linears = [lin for node in nodes if (lin := find(node, accumulators, parents)) and _input_node(lin) in below]
+    linears = [lin for node in nodes if (lin := find(node, accumulators, parents)) and lin.input_node in below]
     fused = {id(t) for lin in linears for t in (lin.weight, lin.bias) if t is not None}
     return linears, [t for t in accumulators.values() if id(t) not in fused]
 
