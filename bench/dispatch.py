@@ -8,9 +8,10 @@
     the driver: 4 processes plus a driver), and their ratio; then the median synchronous
     training step (``job.step``) on the same chain;
 (b) tiny training steps per second with 1 and with 16 steps in flight (``job.max_in_flight``),
-    and the CPU time per step (16 in flight) of every process: the client, the controller and
-    each worker (the four without a stage show what idling beside costs); then the same steps
-    sent 4 and 16 to a call (``job.steps_async``, 2 calls in flight), and the CPU per step by
+    and sent 4 and 16 to a call (``job.steps_async``, 2 calls in flight): each the median of
+    ``--rate-rounds`` rounds that take the four in turn (every round's rates are reported too);
+    the CPU time per step (16 in flight) of every process: the client, the controller and each
+    worker (the four without a stage show what idling beside costs), and the CPU per step by
     process at 16 to a call; beside them the floor (bench/tiny_floor.py): the same training steps
     in 4 plain PyTorch processes joined by socket pairs, with no runtime, and the share of that
     floor atoll's best rate reached;
@@ -146,6 +147,17 @@ def _steps_per_s(job, x, steps: int, in_flight: int, per_call: int = 1) -> float
     start = time.perf_counter()
     sent = _run_steps(job, x, steps, per_call)
     return round(sent / (time.perf_counter() - start), 1)
+
+
+def alternated_rates(job, x, steps: int, modes: dict[str, tuple[int, int]], rounds: int) -> dict[str, list[float]]:
+    """Each mode's steps/s (``name -> (calls in flight, steps per call)``), measured in ``rounds``
+    rounds that take the modes in turn, so that the machine's drift over a run (tens of percent
+    over minutes on a small shared machine) falls on every mode alike; name -> the rounds' rates."""
+    rates: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, (in_flight, per_call) in modes.items():
+            rates[name].append(_steps_per_s(job, x, steps, in_flight, per_call))
+    return rates
 
 
 def process_pids(cluster: atoll.LocalCluster) -> dict[str, int]:
@@ -316,6 +328,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="round trips measured for (a)")
     parser.add_argument("--steps", type=int, default=200, help="training steps measured for (b) and (c)")
+    parser.add_argument(
+        "--rate-rounds", type=int, default=3, help="(b): rounds of the four rates, taken in turn; each is the median"
+    )
     parser.add_argument("--chains", type=int, nargs="+", default=[1, 2, 4, 8], help="chain lengths for (d)")
     parser.add_argument("--sim-steps", type=int, default=30, help="steps measured per simulated cluster size")
     parser.add_argument("--sim-workers", type=int, nargs="*", default=[64, 256, 1024], help="simulated cluster sizes")
@@ -338,15 +353,19 @@ def main() -> None:
             "raw_gloo_chain": round(gloo_s * 1e3, 3),
             "ratio_atoll_over_raw": round(atoll_s / gloo_s, 2),
         }
-        rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=n) for n in (1, 16)}
-        report["tiny_train_steps_per_s_by_steps_in_flight"] = rates
+        # steps one to a call with 1 and 16 in flight, and sent 4 and 16 to a call (2 calls in flight)
+        modes = {"1": (1, 1), "16": (16, 1), "4 per call": (2, 4), "16 per call": (2, 16)}
+        rates = alternated_rates(job, x, args.steps, modes, args.rate_rounds)
+        median = {name: round(statistics.median(r), 1) for name, r in rates.items()}
+        report["tiny_train_steps_per_s_by_steps_in_flight"] = {n: median[n] for n in ("1", "16")}
+        together = {n: median[f"{n} per call"] for n in ("4", "16")}
+        report["tiny_train_steps_per_s_sent_together_by_steps_per_call"] = together
+        report["tiny_train_steps_per_s_per_round"] = rates
         report["cpu_ms_per_tiny_step_by_process"] = cpu_by_process(cluster, job, x, args.steps)
-        rates = {str(n): _steps_per_s(job, x, args.steps, in_flight=2, per_call=n) for n in (4, 16)}
-        report["tiny_train_steps_per_s_sent_together_by_steps_per_call"] = rates
         report["cpu_ms_per_tiny_step_by_process_16_per_call"] = cpu_by_process(
             cluster, job, x, args.steps, in_flight=2, per_call=16
         )
-        best = max(*rates.values(), *report["tiny_train_steps_per_s_by_steps_in_flight"].values())
+        best = max(median.values())
         report["tiny_train_no_runtime_floor"] = {
             **floor,
             "same_first_losses_as_atoll": same_losses(floor["first_losses"], first_losses),

@@ -49,7 +49,9 @@ def _rank_loop(setup, loss_fn, args, stage_blocks, mine, last, commands, results
         while len(runs) < 4 or time.perf_counter() < deadline:
             start = time.perf_counter()
             for s in mine:
-                inp = inputs[s].detach().requires_grad_(inputs[s].is_floating_point())
+                # the first stage's input is the batch: no stage upstream takes its gradient,
+                # so no pipeline computes it: counting that product would set the limit too low
+                inp = inputs[s].detach().requires_grad_(s > 0 and inputs[s].is_floating_point())
                 out = stages[s](inp)
                 (loss_fn(out, target) if s == last else out.float().pow(2).sum()).backward()
             runs.append(time.perf_counter() - start)

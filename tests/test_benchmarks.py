@@ -119,13 +119,16 @@ def test_layouts_benchmark_runs_at_its_smallest_size():
 def test_dispatch_benchmark_runs_at_its_smallest_size():
     """Its parts on real workers (round trip, steps in flight, CPU per process, dispatch modes, CPU
     per chain length) and Ray's side where ray is importable; the simulated part is the test above."""
-    report = _run_bench("dispatch.py", "--iters", "3", "--steps", "3", "--chains", "1", "--sim-workers")
+    report = _run_bench(
+        "dispatch.py", "--iters", "3", "--steps", "3", "--rate-rounds", "2", "--chains", "1", "--sim-workers"
+    )
     assert report["round_trip_4_stage_ms"]["atoll_forward"] > 0
     assert set(report["tiny_train_steps_per_s_by_steps_in_flight"]) == {"1", "16"}
     by_process = report["cpu_ms_per_tiny_step_by_process"]
     assert {"client", "controller", *(f"worker{i}" for i in range(4))} <= set(by_process)
     assert by_process["total"] > 0
     assert set(report["tiny_train_steps_per_s_sent_together_by_steps_per_call"]) == {"4", "16"}
+    assert all(len(rates) == 2 for rates in report["tiny_train_steps_per_s_per_round"].values())
     assert report["cpu_ms_per_tiny_step_by_process_16_per_call"]["total"] > 0
     floor = report["tiny_train_no_runtime_floor"]  # the same steps in plain processes: the same training
     assert floor["steps_per_s"] > 0 and len(floor["cpu_ms_per_step_by_stage"]) == 4
