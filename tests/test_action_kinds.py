@@ -24,6 +24,8 @@ from atoll.core.graphs import BlockGraph, StageGraph, deserialize
 from atoll.errors import InvalidInput
 from atoll.worker.executor.handlers import handles
 from atoll.worker.executor.interpreter import PipelineExecutor, StageSetup
+from atoll.worker.executor.run import StepRun
+from atoll.worker.executor.step import StepState
 
 MAX_NORM = 0.05
 CLIP = declare("CLIP_GRAD_NORM", "CLIP", "local", per_step=True, cost=0.5)
@@ -141,6 +143,42 @@ def test_the_executor_runs_the_new_kind_and_matches_pytorch():
         torch.testing.assert_close(got[name], want, rtol=0, atol=1e-12)
     spans = executor.history.select([], 1)[0].spans
     assert ("0CLIP", "local") in {(n, c) for n, c, _, _ in spans}
+
+
+def test_a_step_trains_whatever_autograds_mode_in_its_thread_and_leaves_that_mode_as_it_was():
+    """run_step sets autograd's mode once for the step; StepRun.advance sets it for an action only
+    where the thread's differs, as in an interleaving thread that runs other jobs' steps too.
+    Float64 AdamW against PyTorch at 1e-12: the same arithmetic in another order."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    compiled = _compiled(model, x, y)
+    executor = _executor(compiled, compiled.lowered.actions[0])
+    with torch.no_grad():  # a training step in a thread with autograd off
+        executor.run_step([x], [y], step=1)
+        assert not torch.is_grad_enabled()
+    trained = executor.state_dict()
+    evaluated = executor.run_step([x], [y], mode="evaluate", step=2)[0]  # autograd on: nothing recorded
+    assert torch.is_grad_enabled()
+    for name, want in trained.items():
+        torch.testing.assert_close(executor.state_dict()[name], want, rtol=0, atol=0)
+    run = StepRun(executor, StepState("train", executor._split([x]), executor._split([y])))
+    with torch.no_grad():  # an action at a time, as an interleaver runs it
+        while run.advance():
+            pass
+        assert not torch.is_grad_enabled()
+    run.close()
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for step in range(3):
+        opt.zero_grad()
+        want = [F.mse_loss(reference(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2))]
+        if step == 1:
+            assert evaluated == pytest.approx([w.item() for w in want], rel=0, abs=1e-12)
+            continue
+        (sum(want) / 2).backward()
+        opt.step()
+    for name, want in reference.state_dict().items():
+        torch.testing.assert_close(executor.state_dict()[name], want, rtol=0, atol=1e-12)
 
 
 def test_a_kind_without_a_handler_is_refused_when_the_plan_loads():

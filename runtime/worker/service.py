@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,20 @@ from atoll.worker.values import ValueStore, pull
 # One logger for the whole worker (as the controller has "atoll.controller"): operators filter
 # the worker's lines by this name, which predates the split into daemon, service and loader.
 log = logging.getLogger("atoll.worker.daemon")
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A step's batch on this worker, ready to run (``WorkerService._batch``)."""
+
+    inputs: list[torch.Tensor] | None = None
+    targets: list[torch.Tensor] | None = None
+    control_bytes: int = 0
+    """Its bytes that came in the request (through the controller)."""
+    pulled_bytes: int = 0
+    posted_bytes: int = 0
+    error: Exception | None = None
+    """Why it could not be taken: raised when the step runs, in its turn."""
 
 
 def controller_only(method):
@@ -193,16 +208,22 @@ class WorkerService(pb_grpc.WorkerServicer):
     def RunSteps(self, request: pb.RunStepsRequest, context):
         """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
         job_id = request.steps[0].job_id if request.steps else ""
+        # the batches are decoded while the steps before this call still run, not in its turn:
+        # a tiny step's critical path goes through every worker's turn, one after another (the
+        # call's bytes are held until it ends anyway; this adds one copy of them meanwhile).
+        # Posted batches are taken in turn: taking one drops the job's earlier ones still waiting.
+        batches = [None if step.direct else self._batch(step) for step in request.steps]
         with self._order(job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             if not request.steps:
                 return pb.RunStepsReply()
             ledger, wait_s = self._ledger(job_id), self._earlier_wait_s(job_id)
             earlier = [ledger.claim(step.step) for step in request.steps]  # all at once: a second sending waits
             replies = []
-            for i, (step, before) in enumerate(zip(request.steps, earlier)):
+            for i, (step, before, batch) in enumerate(zip(request.steps, earlier, batches)):
                 try:
                     if before is None:
-                        replies.append(ledger.settle(step.step, step.mode or "train", lambda s=step: self._step(s)))
+                        run = functools.partial(self._step, step, batch)
+                        replies.append(ledger.settle(step.step, step.mode or "train", run))
                     else:
                         replies.append(ledger.earlier(step.step, before, wait_s))
                 except BaseException as e:
@@ -225,30 +246,44 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = self._step_once(request)
         yield pb.RunStepEvent(reply=reply)
 
-    @_log.in_context(lambda request: (request.job_id, request.step))
-    def _step(self, request: pb.RunStepRequest) -> pb.RunStepReply:
-        """Run one step of a loaded job; call in the request's turn."""
+    def _batch(self, request: pb.RunStepRequest) -> _Batch:
+        """A step's batch as tensors (its pulled values, its posted rows), or what was wrong with it."""
         control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
-        executor = self._job(request.job_id)
-        self._use_device()
         try:
+            executor = self._job(request.job_id)
             pulled_inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
             pulled_targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
             pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
+            posted_bytes = 0
             if request.direct:  # the client posted the rows here; the request names their specs
                 posted = self.inbox.take(request.job_id, request.step, executor.timeout_s).checked(request)
-                sent_inputs, sent_targets = posted.inputs, posted.targets
+                sent_inputs, sent_targets, posted_bytes = posted.inputs, posted.targets, posted.nbytes
             else:
                 sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
                 sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
             inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
             targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
-            losses, memory, outputs = executor.run_step(inputs, targets, request.mode or "train", request.step)
+        except Exception as e:
+            return _Batch(error=e)
+        return _Batch(inputs, targets, control_bytes, pulled, posted_bytes)
+
+    @_log.in_context(lambda request: (request.job_id, request.step))
+    def _step(self, request: pb.RunStepRequest, batch: _Batch | None = None) -> pb.RunStepReply:
+        """Run one step of a loaded job on its batch (by default taken now); call in the request's turn."""
+        batch = batch or self._batch(request)
+        executor = self._job(request.job_id)
+        self._use_device()
+        try:
+            if batch.error is not None:
+                raise batch.error
+            losses, memory, outputs = executor.run_step(
+                batch.inputs, batch.targets, request.mode or "train", request.step
+            )
         except Exception as e:
             raise JobFailed(f"job {request.job_id} step {request.step}: {e}") from None
-        memory["data_plane_bytes"]["received"] += pulled
-        memory["control_plane_tensor_bytes"] = control_bytes
-        memory["posted_batch_bytes"] = posted.nbytes if request.direct else 0
+        memory["data_plane_bytes"]["received"] += batch.pulled_bytes
+        memory["control_plane_tensor_bytes"] = batch.control_bytes
+        memory["posted_batch_bytes"] = batch.posted_bytes
         kept = []
         if request.keep_outputs:  # the output stays here; the reply carries references
             for t in outputs:

@@ -236,8 +236,9 @@ class PipelineExecutor:
             run = StepRun(self, StepState(mode, self._split(inputs), self._split(targets), spans=StepSpans(step)))
             try:
                 if self.interleaver is None:
-                    while run.advance():
-                        pass
+                    with torch.set_grad_enabled(run.grad):  # once for the step (StepRun.grad)
+                        while run.advance():
+                            pass
                 else:
                     self.interleaver.run(run)
                 return run.result()
