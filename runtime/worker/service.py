@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,12 +21,13 @@ from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.core import checkpoint
 from atoll.core.shards import ParamShard
-from atoll.core.wire import interleave, tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
+from atoll.core.wire import tensor_from_pb, tensor_spec_to_pb, tensor_to_pb
 from atoll.errors import InvalidInput, JobFailed, NotFound, NotPermitted
 from atoll.net import log as _log
 from atoll.net.auth import from_controller
 from atoll.net.relay import Relay
 from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
+from atoll.worker import step_batch
 from atoll.worker.executor.interpreter import PipelineExecutor
 from atoll.worker.inbox import BatchInbox, PostedBatch, check_reader
 from atoll.worker.interleave import Interleaver
@@ -39,20 +39,6 @@ from atoll.worker.values import ValueStore, pull
 # One logger for the whole worker (as the controller has "atoll.controller"): operators filter
 # the worker's lines by this name, which predates the split into daemon, service and loader.
 log = logging.getLogger("atoll.worker.daemon")
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """A step's batch on this worker, ready to run (``WorkerService._batch``)."""
-
-    inputs: list[torch.Tensor] | None = None
-    targets: list[torch.Tensor] | None = None
-    control_bytes: int = 0
-    """Its bytes that came in the request (through the controller)."""
-    pulled_bytes: int = 0
-    posted_bytes: int = 0
-    error: Exception | None = None
-    """Why it could not be taken: raised when the step runs, in its turn."""
 
 
 def controller_only(method):
@@ -208,10 +194,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     def RunSteps(self, request: pb.RunStepsRequest, context):
         """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
         job_id = request.steps[0].job_id if request.steps else ""
-        # the batches are decoded while the steps before this call still run, not in its turn:
-        # a tiny step's critical path goes through every worker's turn, one after another (the
-        # call's bytes are held until it ends anyway; this adds one copy of them meanwhile).
-        # Posted batches are taken in turn: taking one drops the job's earlier ones still waiting.
+        # the batches are taken before the turn (atoll.worker.step_batch; the call's bytes are held
+        # until it ends anyway, this adds one copy of them meanwhile), but posted ones in it:
+        # taking one drops the job's earlier ones still waiting
         batches = [None if step.direct else self._batch(step) for step in request.steps]
         with self._order(job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             if not request.steps:
@@ -246,29 +231,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             reply = self._step_once(request)
         yield pb.RunStepEvent(reply=reply)
 
-    def _batch(self, request: pb.RunStepRequest) -> _Batch:
-        """A step's batch as tensors (its pulled values, its posted rows), or what was wrong with it."""
-        control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
+    def _batch(self, request: pb.RunStepRequest) -> step_batch.StepBatch:
+        """Step ``request``'s batch as tensors (atoll.worker.step_batch), or why it cannot be had."""
         try:
-            executor = self._job(request.job_id)
-            pulled_inputs = [self._pull(r, executor.timeout_s) for r in request.input_refs]
-            pulled_targets = [self._pull(r, executor.timeout_s) for r in request.target_refs]
-            pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
-            posted_bytes = 0
-            if request.direct:  # the client posted the rows here; the request names their specs
-                posted = self.inbox.take(request.job_id, request.step, executor.timeout_s).checked(request)
-                sent_inputs, sent_targets, posted_bytes = posted.inputs, posted.targets, posted.nbytes
-            else:
-                sent_inputs = [tensor_from_pb(t, "input") for t in request.inputs]
-                sent_targets = [tensor_from_pb(t, "target") for t in request.targets]
-            inputs = interleave(sent_inputs, pulled_inputs, request.input_ref_at) or None
-            targets = interleave(sent_targets, pulled_targets, request.target_ref_at) or None
-        except Exception as e:
-            return _Batch(error=e)
-        return _Batch(inputs, targets, control_bytes, pulled, posted_bytes)
+            timeout_s = self._job(request.job_id).timeout_s
+        except NotFound as e:
+            return step_batch.StepBatch(error=e)
+        return step_batch.take(request, timeout_s, self._pull, self.inbox)
 
     @_log.in_context(lambda request: (request.job_id, request.step))
-    def _step(self, request: pb.RunStepRequest, batch: _Batch | None = None) -> pb.RunStepReply:
+    def _step(self, request: pb.RunStepRequest, batch: step_batch.StepBatch | None = None) -> pb.RunStepReply:
         """Run one step of a loaded job on its batch (by default taken now); call in the request's turn."""
         batch = batch or self._batch(request)
         executor = self._job(request.job_id)
