@@ -5,7 +5,6 @@ import types
 
 import pytest
 
-from atoll.controller.compiler.autoschedule import TIE
 from atoll.core.config import JobConfig
 from atoll.errors import InvalidInput
 from tests import models
@@ -45,18 +44,20 @@ def test_auto_follows_the_costs():
     assert compiled.schedule_choice.chosen == "1f1b"
 
 
-def test_predictions_within_the_tie_go_to_the_candidate_listed_first():
+def test_the_fastest_prediction_wins_however_narrowly():
     """Measured transfer postings can put GPipe a hair ahead of 1F1B at 2 stages (their compute
-    makespans are equal there): 1F1B, listed first and stashing fewer microbatches, wins within
-    TIE; outside it the fastest wins whatever its place (the first test). Rematerialization
-    leaves the split schedules out, so the two are the only candidates."""
+    makespans are equal there): GPipe wins, though listed after 1F1B, which stashes fewer
+    microbatches. A 2% margin that handed such near-ties to the candidate listed first chose, in
+    one bench run, 1F1B predicted 1.7% behind ZB-H1 and measured 9% behind it. Equal predictions
+    still go to the one listed first (the test after next). Rematerialization leaves the split
+    schedules out, so the two are the only candidates."""
     costs = {"0F": 1.0, "0B": 2.0, "1F": 1.0, "1B": 2.0, "0RECV_F": 0.02, "0SEND_B": 0.02}
     costs |= {"1SEND_F": 0.02, "1RECV_F": 0.01, "1SEND_B": 0.02, "1RECV_B": 0.05}
     choice = _compile(schedule_costs=costs, rematerialize=True).schedule_choice
     steps = {c.schedule: c.predicted_step_s for c in choice.candidates}
-    assert steps["gpipe"] < steps["1f1b"] <= steps["gpipe"] * (1 + TIE)
-    assert choice.chosen == "1f1b"
-    assert choice.why.startswith("1f1b: predicted") and "within 2% of gpipe" in choice.why
+    assert steps["gpipe"] < steps["1f1b"] <= steps["gpipe"] * 1.02
+    assert choice.chosen == "gpipe"
+    assert choice.why.startswith("gpipe: the shortest predicted step") and "ahead of 1f1b" in choice.why
 
 
 def test_auto_without_measured_costs_uses_the_stages_flops():

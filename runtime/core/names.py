@@ -9,8 +9,8 @@ V_SCHEDULES = ("zbv", "dualpipev")
 """The schedules that place two chunks per rank in a V (rank r: stages r and 2 * ranks - 1 - r)."""
 AUTO_CANDIDATES = {1: ("1f1b", "zb_h1", "gpipe"), 2: ("zbv", "dualpipev", "interleaved_1f1b")}
 """schedule="auto" picks among the schedules that run the job's ``virtual_stages`` chunks per
-worker; of two predicted equally fast (within controller/compiler/autoschedule.py's TIE), the one
-listed first (1F1B stashes fewer microbatches than GPipe)."""
+worker; of two predicted equally fast, the one listed first (1F1B stashes fewer microbatches than
+GPipe)."""
 STEP_OVERHEAD_COST = "step_overhead_s"
 """In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
 simulated actions (the control path, measured at calibration), added to the candidate's step."""
