@@ -232,7 +232,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         yield pb.RunStepEvent(reply=reply)
 
     def _batch(self, request: pb.RunStepRequest) -> step_batch.StepBatch:
-        """Step ``request``'s batch as tensors (atoll.worker.step_batch), or why it cannot be had."""
+        """Step ``request``'s batch taken ahead of its turn (atoll.worker.step_batch), or why it
+        cannot be had (its job unloaded meanwhile: the step's turn raises that)."""
         try:
             timeout_s = self._job(request.job_id).timeout_s
         except NotFound as e:
@@ -242,8 +243,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     @_log.in_context(lambda request: (request.job_id, request.step))
     def _step(self, request: pb.RunStepRequest, batch: step_batch.StepBatch | None = None) -> pb.RunStepReply:
         """Run one step of a loaded job on its batch (by default taken now); call in the request's turn."""
-        batch = batch or self._batch(request)
         executor = self._job(request.job_id)
+        batch = batch or step_batch.take(request, executor.timeout_s, self._pull, self.inbox)
         self._use_device()
         try:
             if batch.error is not None:
