@@ -13,7 +13,8 @@ time against the measured one, and the measured rate of each candidate the run a
 the physical limit: the busiest rank's forward and backward work per microbatch times the
 microbatches, as steps per second, and atoll's share of it; measured with each rank's work in a
 process alone, and again with all ranks' at once (``contended_limit``: what the ranks pay for
-sharing the machine's memory and cache; bench/stage_limit.py), with both sides' share of that.
+sharing the machine's memory and cache; bench/stage_limit.py), with each side's share of that
+(atoll's with steps waited for and sent ahead).
 The limit is measured in every round, after the two sides' rates, and each share is the median
 of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
 
@@ -420,7 +421,11 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         # (stage_limit.py), in every round; each share is the median of the rounds' own
         shares = {  # each side's share: its index in a round's (atoll, atoll async, torch) rates
             "physical_limit": {"atoll_share_of_limit": 0, "atoll_async_share_of_limit": 1, "torch_share_of_limit": 2},
-            "contended_limit": {"atoll_share_of_contended_limit": 0, "torch_share_of_contended_limit": 2},
+            "contended_limit": {
+                "atoll_share_of_contended_limit": 0,
+                "atoll_async_share_of_contended_limit": 1,
+                "torch_share_of_contended_limit": 2,
+            },
         }
         for i, (key, sides) in enumerate(shares.items()):
             per_round = [costs[i] for costs in limits]

@@ -49,6 +49,9 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
             row["atoll_steps_per_s"] / row["physical_limit_steps_per_s"],
             rel=1e-2,  # each rounded to 3 places
         )
+        assert row["atoll_async_share_of_contended_limit"] == pytest.approx(
+            row["atoll_async_steps_per_s"] / row["contended_limit_steps_per_s"], rel=1e-2
+        )
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("gpipe", "zbv")
     assert report["best"]["atoll_async"]["schedule"] in ("gpipe", "zbv") and report["best"]["torch"]["steps_per_s"] > 0
