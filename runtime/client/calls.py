@@ -19,11 +19,13 @@ RESEND_EVERY_S = 0.25
 class StepCall:
     """One Step or Steps call: its request, and the gRPC future of its latest sending."""
 
-    def __init__(self, endpoint: Endpoint, method: str, request, timeout_s: float):
+    def __init__(self, endpoint: Endpoint, method: str, request, timeout_s: float, wait: bool = False):
+        """``wait``: the caller waits for the reply at once: the call is made in its thread and
+        returns when answered (``Endpoint.settled``); a sending again never waits."""
         self.method, self.request = method, request
         self._endpoint, self._timeout_s = endpoint, timeout_s
         self._lock = threading.Lock()
-        self.future = endpoint.future(method, request, timeout_s)
+        self.future = (endpoint.settled if wait else endpoint.future)(method, request, timeout_s)
         self.unreachable_since: float | None = None
 
     @property

@@ -166,17 +166,20 @@ class Job:
     def evaluate(self, input, target) -> float:
         """The mean microbatch loss of a full batch with the weights after every step sent so
         far: the plan's forward actions alone, no backward, no update."""
-        return self._send("evaluate", input, target).result()
+        return self._send("evaluate", input, target, wait=True).result()
 
     def forward(self, input, keep: bool = False):
         """The model's output for a full batch (the last stage's output, microbatches concatenated
         along dim 0): a tensor, or a tuple of them for a model with several outputs. With
         ``keep``, the output stays on the worker that made it: ``RemoteValue``s instead."""
-        result = self._send("forward", input, None, keep).details()
+        result = self._send("forward", input, None, keep, wait=True).details()
         outputs = result.remote_outputs if keep else result.outputs
         return outputs[0] if len(outputs) == 1 else outputs
 
-    def _send(self, mode: str, input, target, keep: bool = False) -> StepFuture:
+    def _send(self, mode: str, input, target, keep: bool = False, wait: bool = False) -> StepFuture:
+        """Send one step; ``wait``: its caller waits for it at once, so the call is made in this
+        thread and returns answered (atoll.client.calls.StepCall), holding the job's lock until
+        then: a step sent from another thread meanwhile goes out after it, as it would run."""
         inputs, input_values, input_at = _batch(input, "input")
         targets, target_values, target_at = ([], (), []) if target is None else _batch(target, "target")
         self._wait_for_window()
@@ -194,7 +197,7 @@ class Job:
                 **self._batch(self._next_seq, inputs, targets, postable=plain),
             )
             self._next_seq += 1
-            call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s)
+            call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s, wait)
             step = StepFuture(self, call, mode, (*input_values, *target_values))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
@@ -232,7 +235,7 @@ class Job:
 
     def step(self, input, target) -> float:
         """One training step on a full batch; returns the mean microbatch loss."""
-        return self.step_async(input, target).result()
+        return self._send("train", input, target, wait=True).result()
 
     def _send_lost_calls(self) -> None:
         """Send again, in step order, every call of this job that did not reach the controller
