@@ -167,10 +167,17 @@ def process_pids(cluster: atoll.LocalCluster) -> dict[str, int]:
     }
 
 
+CPU_WINDOW_S = 0.3
+"""The least time a CPU-per-step measurement runs: /proc counts each process's CPU in 10 ms ticks,
+and a few tiny steps (the smoke test's 3) can end before any process has been counted a tick: a
+CI run read 0 in every process."""
+
+
 def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: int = 16, per_call: int = 1) -> dict:
     """CPU milliseconds per tiny training step in each process (client, controller, every worker
-    of the cluster), ``in_flight`` calls of ``per_call`` steps in flight; what each spent while
-    idle over a window just before is subtracted (heartbeats, polling)."""
+    of the cluster), ``in_flight`` calls of ``per_call`` steps in flight, over ``steps`` steps and
+    at least ``CPU_WINDOW_S``; what each spent while idle over a window just before is subtracted
+    (heartbeats, polling)."""
     pids = process_pids(cluster)
     job.max_in_flight = in_flight
     for _ in range(10):
@@ -179,8 +186,10 @@ def cpu_by_process(cluster: atoll.LocalCluster, job, x, steps: int, in_flight: i
     time.sleep(IDLE_WINDOW_S / 5)
     idle_per_s = {name: (_cpu_seconds(pid) - before[name]) / (IDLE_WINDOW_S / 5) for name, pid in pids.items()}
     before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.perf_counter()
-    steps = _run_steps(job, x, steps, per_call)
-    wall = time.perf_counter() - start
+    sent = 0
+    while sent < steps or time.perf_counter() - start < CPU_WINDOW_S:
+        sent += _run_steps(job, x, steps, per_call)
+    steps, wall = sent, time.perf_counter() - start
     ms = {
         name: round(max(0.0, _cpu_seconds(pid) - before[name] - idle_per_s[name] * wall) / steps * 1e3, 3)
         for name, pid in pids.items()
