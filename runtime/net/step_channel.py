@@ -1,0 +1,90 @@
+"""The controller's end of a step channel to one worker (``Worker.StepChannel``): its ``RunStep``
+calls as messages on one long-lived gRPC stream, driven on AsyncCalls' loop.
+
+From a grpc.aio loop, 4 workers answering a small message each took 0.53-0.63 ms a round on open
+streams against 1.05 ms as unary calls, and 0.41-0.48 against 0.64-0.69 ms of the caller's CPU
+(this project's 2-core machine): a unary call pays its setup, metadata, deadline and status on
+every step. A step on the channel keeps a unary call's meaning: its own deadline (the stream has
+none), its own failure (the worker's code and words, as a relayed member's), and when the stream
+breaks (the worker died, or the connection) every step waiting on it fails as a unary call to
+that worker would have; the next step opens a new stream. Only one coroutine writes at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+
+from atoll import errors
+from atoll._rpc import atoll_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StepChannel:
+    def __init__(self, stub, metadata, address: str, as_error):
+        self.address = address
+        self._what = f"RunStep on {address}"
+        self._as_error = as_error  # (grpc.RpcError, what) -> AtollError, as for a unary call
+        self._call = stub.StepChannel(metadata=metadata)  # no deadline: each step has its own
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._writing = asyncio.Lock()
+        self.broken: errors.AtollError | None = None
+        self.unimplemented = False
+        """The worker has no step channel (an older or simulated one): its steps go as unary calls."""
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        error: errors.AtollError = errors.WorkerUnavailable(f"{self._what}: the worker closed its step channel")
+        try:
+            async for answer in self._call:
+                waiting = self._pending.pop(answer.id, None)
+                if waiting is None or waiting.done():  # its caller stopped waiting (deadline, abandon)
+                    continue
+                result = answer.result
+                if result.code:
+                    code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
+                    waiting.set_exception(errors.from_status(code, result.error))
+                else:
+                    waiting.set_result(result.reply)
+        except grpc.RpcError as e:
+            self.unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
+            error = self._as_error(e, self._what)
+        except asyncio.CancelledError:
+            error = errors.WorkerUnavailable(f"{self._what}: the step channel was closed")
+        finally:
+            self._fail(error)
+
+    def _fail(self, error: errors.AtollError) -> None:
+        self.broken = self.broken or error
+        for waiting in self._pending.values():
+            if not waiting.done():
+                waiting.set_exception(self.broken)
+        self._pending.clear()
+
+    async def run(self, request: pb.RunStepRequest, timeout_s: float) -> pb.RunStepReply:
+        """Send one step and wait up to ``timeout_s`` for its answer."""
+        if self.broken is not None:
+            raise self.broken
+        step_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[step_id] = answer
+        try:
+            async with self._writing:
+                try:
+                    await self._call.write(pb.ChannelStep(id=step_id, step=request))
+                except grpc.RpcError as e:
+                    self._fail(self._as_error(e, self._what))
+                except Exception:  # noqa: BLE001 (the stream ended between the check and the write)
+                    self._fail(self.broken or errors.WorkerUnavailable(f"{self._what}: the step channel ended"))
+            try:
+                return await asyncio.wait_for(answer, timeout_s)
+            except asyncio.TimeoutError:
+                raise errors.DeadlineExceeded(f"{self._what}: no answer before the deadline") from None
+        finally:
+            self._pending.pop(step_id, None)
+
+    def close(self) -> None:
+        self._call.cancel()
