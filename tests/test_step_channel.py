@@ -1,8 +1,7 @@
 """Step channels (runtime/worker/channel.py, atoll.net.step_channel): the controller's steps to a
 worker on one long-lived stream. Every cluster test dispatches through them (a killed or frozen
-worker: tests/test_failures.py); these check the worker's end on its own. A worker with no step
-channel gets its steps as unary calls: bench/sim_workers.py implements none, and
-tests/test_benchmarks.py steps its simulated workers."""
+worker: tests/test_failures.py; bench/sim_workers.py's simulated ones, tests/test_benchmarks.py);
+these check the worker's end on its own."""
 
 import threading
 

@@ -272,7 +272,7 @@ class AsyncCalls:
 
     def __init__(self, token: str, stub_class, controller_key: str = "", step_channels: bool = False):
         """``step_channels``: send ``RunStep`` calls on a long-lived stream per worker
-        (atoll.net.step_channel), unary where a worker has none."""
+        (atoll.net.step_channel)."""
         self._token = token
         self._step_channels: dict[str, StepChannel] | None = {} if step_channels else None
         self._metadata = call_metadata(token, controller_key)
@@ -332,16 +332,11 @@ class AsyncCalls:
             entry = self._channels[address] = (channel, self._stub_class(channel))
         if method == "RunStep" and self._step_channels is not None:
             step_channel = self._step_channels.get(address)
-            if step_channel is None or (step_channel.broken is not None and not step_channel.unimplemented):
+            if step_channel is None or step_channel.broken is not None:
                 step_channel = self._step_channels[address] = StepChannel(
                     entry[1], self._metadata, address, as_atoll_error
                 )
-            if not step_channel.unimplemented:
-                try:
-                    return await step_channel.run(request, timeout_s)
-                except errors.AtollError:
-                    if not step_channel.unimplemented:
-                        raise  # else the step never reached the worker: send it unary
+            return await step_channel.run(request, timeout_s)
         try:
             if method in chunked.CHUNKED_METHODS:
                 pieces = chunked.pieces(method, request, keep=False)  # as in Endpoint.call

@@ -7,7 +7,8 @@ streams against 1.05 ms as unary calls, and 0.41-0.48 against 0.64-0.69 ms of th
 every step. A step on the channel keeps a unary call's meaning: its own deadline (the stream has
 none), its own failure (the worker's code and words, as a relayed member's), and when the stream
 breaks (the worker died, or the connection) every step waiting on it fails as a unary call to
-that worker would have; the next step opens a new stream. Only one coroutine writes at a time."""
+that worker would have; the next step opens a new stream. Only one coroutine writes at a time.
+Every worker of this version answers on one (a worker without: its steps fail UNIMPLEMENTED)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from atoll import errors
 from atoll._rpc import atoll_pb2 as pb
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+READ_STATUS_S = 5.0
+"""How long a failed write waits for the stream's status before failing its step without it."""
 
 
 class StepChannel:
@@ -32,8 +35,6 @@ class StepChannel:
         self._ids = itertools.count(1)
         self._writing = asyncio.Lock()
         self.broken: errors.AtollError | None = None
-        self.unimplemented = False
-        """The worker has no step channel (an older or simulated one): its steps go as unary calls."""
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -50,7 +51,6 @@ class StepChannel:
                 else:
                     waiting.set_result(result.reply)
         except grpc.RpcError as e:
-            self.unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
             error = self._as_error(e, self._what)
         except asyncio.CancelledError:
             error = errors.WorkerUnavailable(f"{self._what}: the step channel was closed")
@@ -75,16 +75,23 @@ class StepChannel:
             async with self._writing:
                 try:
                     await self._call.write(pb.ChannelStep(id=step_id, step=request))
-                except grpc.RpcError as e:
-                    self._fail(self._as_error(e, self._what))
-                except Exception:  # noqa: BLE001 (the stream ended between the check and the write)
-                    self._fail(self.broken or errors.WorkerUnavailable(f"{self._what}: the step channel ended"))
+                except Exception:  # noqa: BLE001 (the stream has ended: its status says why)
+                    await self._ended()
             try:
                 return await asyncio.wait_for(answer, timeout_s)
             except asyncio.TimeoutError:
                 raise errors.DeadlineExceeded(f"{self._what}: no answer before the deadline") from None
         finally:
             self._pending.pop(step_id, None)
+
+    async def _ended(self) -> None:
+        """A write failed, so the stream is over: let the reader read its status (a dead worker, a
+        refused key) and fail the waiting steps with it, rather than with the write's own error."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), READ_STATUS_S)
+        except Exception:  # noqa: BLE001 (out of time, or the reader itself failed)
+            pass
+        self._fail(errors.WorkerUnavailable(f"{self._what}: the step channel ended"))  # where the reader did not
 
     def close(self) -> None:
         self._call.cancel()
