@@ -21,7 +21,7 @@ from atoll.net import address as _address
 from atoll.net import chunked
 from atoll.net import tls as _tls
 from atoll.net.auth import TokenInterceptor, call_metadata
-from atoll.net.step_channel import StepChannel
+from atoll.net.step_channel import ATOLL_ERROR_KEY, StepChannel
 
 log = logging.getLogger("atoll")
 
@@ -35,9 +35,8 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-ATOLL_ERROR_KEY = "atoll-error"
-"""Trailing metadata of an error a daemon raised itself (naming its class): an UNAVAILABLE without
-it is the transport's, the daemon was not reached (``unreachable``)."""
+# ATOLL_ERROR_KEY (from atoll.net.step_channel): trailing metadata of an error a daemon raised
+# itself (naming its class): an UNAVAILABLE without it is the transport's (``unreachable``)
 
 
 def _channel(api, address: str, tls: _tls.Tls | None):

@@ -21,6 +21,9 @@ from atoll import errors
 from atoll._rpc import atoll_pb2 as pb
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
+ATOLL_ERROR_KEY = "atoll-error"
+"""atoll.net.rpc's key of the trailing metadata a daemon's own error carries (imported there from here)."""
 READ_STATUS_S = 5.0
 """How long a failed write waits for the stream's status before failing its step without it."""
 
@@ -51,11 +54,22 @@ class StepChannel:
                 else:
                     waiting.set_result(result.reply)
         except grpc.RpcError as e:
-            error = self._as_error(e, self._what)
+            error = self._broken_by(e)
         except asyncio.CancelledError:
             error = errors.WorkerUnavailable(f"{self._what}: the step channel was closed")
         finally:
             self._fail(error)
+
+    def _broken_by(self, e: grpc.RpcError) -> errors.AtollError:
+        """Why the stream ended: refused by the worker (its key, its version), an error it raised
+        itself, or else a lost connection, which fails a step as a unary call to a worker that cannot
+        be reached does (gRPC reports a write on a stream whose peer died as INTERNAL, not
+        UNAVAILABLE: an auto_resume job must still see a dead worker, to repair it)."""
+        raised = any(key == ATOLL_ERROR_KEY for key, _ in (e.trailing_metadata() or ()))
+        if raised or e.code() in _REFUSED:
+            return self._as_error(e, self._what)
+        daemon = errors.WorkerUnavailable.DAEMON
+        return errors.WorkerUnavailable(f"{self._what}: {daemon} unreachable ({e.code().name}: {e.details()})")
 
     def _fail(self, error: errors.AtollError) -> None:
         self.broken = self.broken or error
