@@ -21,7 +21,6 @@ from atoll.net import address as _address
 from atoll.net import chunked
 from atoll.net import tls as _tls
 from atoll.net.auth import TokenInterceptor, call_metadata
-from atoll.net.step_channel import ATOLL_ERROR_KEY, StepChannel
 
 log = logging.getLogger("atoll")
 
@@ -35,8 +34,9 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-# ATOLL_ERROR_KEY (from atoll.net.step_channel): trailing metadata of an error a daemon raised
-# itself (naming its class): an UNAVAILABLE without it is the transport's (``unreachable``)
+ATOLL_ERROR_KEY = "atoll-error"
+"""Trailing metadata of an error a daemon raised itself (naming its class): an UNAVAILABLE without
+it is the transport's, the daemon was not reached (``unreachable``)."""
 
 
 def _channel(api, address: str, tls: _tls.Tls | None):
@@ -273,6 +273,9 @@ class AsyncCalls:
         """``step_channels``: send ``RunStep`` calls on a long-lived stream per worker
         (atoll.net.step_channel)."""
         self._token = token
+        from atoll.net.step_channel import StepChannel  # it builds on this module's error mapping
+
+        self._step_channel = StepChannel
         self._step_channels: dict[str, StepChannel] | None = {} if step_channels else None
         self._metadata = call_metadata(token, controller_key)
         self._stub_class = stub_class
@@ -332,9 +335,7 @@ class AsyncCalls:
         if method == "RunStep" and self._step_channels is not None:
             step_channel = self._step_channels.get(address)
             if step_channel is None or step_channel.broken is not None:
-                step_channel = self._step_channels[address] = StepChannel(
-                    entry[1], self._metadata, address, as_atoll_error
-                )
+                step_channel = self._step_channels[address] = self._step_channel(entry[1], self._metadata, address)
             return await step_channel.run(request, timeout_s)
         try:
             if method in chunked.CHUNKED_METHODS:

@@ -19,20 +19,18 @@ import grpc
 
 from atoll import errors
 from atoll._rpc import atoll_pb2 as pb
+from atoll.net.rpc import _raised_by_daemon, as_atoll_error
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
-ATOLL_ERROR_KEY = "atoll-error"
-"""atoll.net.rpc's key of the trailing metadata a daemon's own error carries (imported there from here)."""
 READ_STATUS_S = 5.0
 """How long a failed write waits for the stream's status before failing its step without it."""
 
 
 class StepChannel:
-    def __init__(self, stub, metadata, address: str, as_error):
+    def __init__(self, stub, metadata, address: str):
         self.address = address
         self._what = f"RunStep on {address}"
-        self._as_error = as_error  # (grpc.RpcError, what) -> AtollError, as for a unary call
         self._call = stub.StepChannel(metadata=metadata)  # no deadline: each step has its own
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -65,9 +63,8 @@ class StepChannel:
         itself, or else a lost connection, which fails a step as a unary call to a worker that cannot
         be reached does (gRPC reports a write on a stream whose peer died as INTERNAL, not
         UNAVAILABLE: an auto_resume job must still see a dead worker, to repair it)."""
-        raised = any(key == ATOLL_ERROR_KEY for key, _ in (e.trailing_metadata() or ()))
-        if raised or e.code() in _REFUSED:
-            return self._as_error(e, self._what)
+        if _raised_by_daemon(e) or e.code() in _REFUSED:
+            return as_atoll_error(e, self._what)
         daemon = errors.WorkerUnavailable.DAEMON
         return errors.WorkerUnavailable(f"{self._what}: {daemon} unreachable ({e.code().name}: {e.details()})")
 
