@@ -28,7 +28,8 @@ from atoll.cli.daemons import serve_until_stopped  # noqa: E402
 from atoll.errors import AtollError  # noqa: E402
 from atoll.net.auth import resolve_token  # noqa: E402
 from atoll.net.relay import Relay  # noqa: E402
-from atoll.net.rpc import Endpoint, chunked_method, make_server, rpc_handler  # noqa: E402
+from atoll.net.rpc import Endpoint, chunked_method, make_server, rpc_handler, rpc_stream_handler  # noqa: E402
+from atoll.worker.channel import StepChannels  # noqa: E402
 
 log = logging.getLogger("atoll.sim")
 
@@ -36,6 +37,7 @@ log = logging.getLogger("atoll.sim")
 class SimulatedWorkers(pb_grpc.WorkerServicer):
     def __init__(self, token: str):
         self.relay = Relay(token, self._run_own)
+        self.channels = StepChannels(self._run_own)
 
     @staticmethod
     def _run_own(request: pb.RunStepRequest) -> pb.RunStepReply:
@@ -50,6 +52,10 @@ class SimulatedWorkers(pb_grpc.WorkerServicer):
     @rpc_handler
     def RunStep(self, request, context):
         return self._run_own(request)
+
+    @rpc_stream_handler
+    def StepChannel(self, requests, context):
+        yield from self.channels.serve(requests)
 
     @rpc_handler
     def RunStepGroup(self, request, context):

@@ -147,7 +147,7 @@ def _requests(calls: list[Call]) -> list:
 
 class Dispatcher:
     def __init__(self, token: str, fanout: int = RELAY_FANOUT, controller_key: str = ""):
-        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key)
+        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key, step_channels=True)
         self.fanout = fanout
         self._loading: collections.Counter[str] = collections.Counter()
         """Per worker id, its LoadPlan calls in flight (counted from two threads: under the lock)."""

@@ -1003,6 +1003,11 @@ class WorkerStub:
                 request_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepGroupRequest.SerializeToString,
                 response_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepGroupReply.FromString,
                 _registered_method=True)
+        self.StepChannel = channel.stream_stream(
+                '/atoll.v1.Worker/StepChannel',
+                request_serializer=atoll_dot___rpc_dot_worker__pb2.ChannelStep.SerializeToString,
+                response_deserializer=atoll_dot___rpc_dot_worker__pb2.ChannelAnswer.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/atoll.v1.Worker/GetState',
                 request_serializer=atoll_dot___rpc_dot_worker__pb2.GetStateRequest.SerializeToString,
@@ -1091,6 +1096,13 @@ class WorkerServicer:
 
     def RunStepGroup(self, request, context):
         """relayed dispatch (runtime/net/relay.py)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepChannel(self, request_iterator, context):
+        """steps on one long-lived stream (worker/channel.py)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1192,6 +1204,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.RunStepGroup,
                     request_deserializer=atoll_dot___rpc_dot_worker__pb2.RunStepGroupRequest.FromString,
                     response_serializer=atoll_dot___rpc_dot_worker__pb2.RunStepGroupReply.SerializeToString,
+            ),
+            'StepChannel': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepChannel,
+                    request_deserializer=atoll_dot___rpc_dot_worker__pb2.ChannelStep.FromString,
+                    response_serializer=atoll_dot___rpc_dot_worker__pb2.ChannelAnswer.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -1384,6 +1401,33 @@ class Worker:
             '/atoll.v1.Worker/RunStepGroup',
             atoll_dot___rpc_dot_worker__pb2.RunStepGroupRequest.SerializeToString,
             atoll_dot___rpc_dot_worker__pb2.RunStepGroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepChannel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Worker/StepChannel',
+            atoll_dot___rpc_dot_worker__pb2.ChannelStep.SerializeToString,
+            atoll_dot___rpc_dot_worker__pb2.ChannelAnswer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,7 @@ from atoll.net.auth import from_controller
 from atoll.net.relay import Relay
 from atoll.net.rpc import Endpoint, chunked_method, rpc_handler, rpc_stream_handler
 from atoll.worker import step_batch
+from atoll.worker.channel import StepChannels
 from atoll.worker.executor.interpreter import PipelineExecutor
 from atoll.worker.inbox import BatchInbox, PostedBatch, check_reader
 from atoll.worker.interleave import Interleaver
@@ -73,13 +74,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.turnstile = Turnstile()
         """The order of the island's work (LoadPlan, and every call of a job without a lane)."""
         self._lanes: dict[str, Turnstile] = {}
-        """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept
-        after the job is unloaded."""
+        """Per job attached to a resident base: its own order (controller/jobs.py, Job.lane), kept after unloading."""
         self.inbox = BatchInbox()
         """Batches clients posted here for their steps (runtime/worker/inbox.py)."""
         self._interleaver = Interleaver()
         """Runs the steps of the jobs with lanes an action at a time, in one thread (runtime/worker/interleave.py)."""
         self.relay = Relay(token, self._step_in_turn)
+        self.channels = StepChannels(self._step_in_turn)
         self.controller_key = ""
         """Set at registration: the key the controller's calls carry (``controller_only``)."""
         self.controller: Endpoint | None = None
@@ -194,9 +195,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     def RunSteps(self, request: pb.RunStepsRequest, context):
         """Consecutive steps of one job in one turn, in order; the first failure fails the call."""
         job_id = request.steps[0].job_id if request.steps else ""
-        # the batches are taken before the turn (atoll.worker.step_batch; the call's bytes are held
-        # until it ends anyway, this adds one copy of them meanwhile), but posted ones in it:
-        # taking one drops the job's earlier ones still waiting
+        # batches taken before the turn (atoll.worker.step_batch: one more copy of bytes the call holds
+        # anyway), posted ones in it: taking one drops the job's earlier ones still waiting
         batches = [None if step.direct else self._batch(step) for step in request.steps]
         with self._order(job_id).turn(request.gang_seq, request.gang_floor), self._stepping_at(request):
             if not request.steps:
@@ -221,6 +221,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     def RunStepGroup(self, request: pb.RunStepGroupRequest, context):
         """This worker's part of a step, and the other members' relayed to them (runtime/net/relay.py)."""
         return self.relay.run(request)
+
+    @rpc_stream_handler
+    @controller_only
+    def StepChannel(self, requests, context):
+        """The controller's steps on one long-lived stream, each run as ``RunStep`` (worker/channel.py)."""
+        yield from self.channels.serve(requests)
 
     @rpc_stream_handler
     @controller_only
