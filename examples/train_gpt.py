@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
-        "--steps-per-call", type=int, default=2,
+        "--steps-per-call", type=int, default=8,
         help="steps sent to the controller in one call (job.steps_async): the control plane's cost is paid per call",
     )  # fmt: skip
     parser.add_argument(
