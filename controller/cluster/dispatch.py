@@ -21,19 +21,17 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
-import grpc
-
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
 from atoll.controller.cluster.registry import WorkerRecord
-from atoll.errors import AtollError, from_status
-from atoll.net.relay import RELAY_MARGIN_S, in_thread
+from atoll.errors import AtollError
+from atoll.net.relay import RELAY_MARGIN_S, in_thread, member_error
 from atoll.net.rpc import AsyncCalls
+from atoll.net.step_channel import StepChannel
 
 RELAY_ABOVE_WORKERS = 16
 """Above this many workers, "parallel" dispatch relays a step through a tree of them."""
 RELAY_FANOUT = 8
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 @dataclass(slots=True)
@@ -125,8 +123,7 @@ class RelayedPending(Pending):
         failed = [i for i, r in enumerate(results) if r.code]
         if failed:  # a member's own failure, rather than the abandonment it caused
             i = next((i for i in failed if not results[i].abandoned), failed[0])
-            code = _CODES.get(results[i].code, grpc.StatusCode.UNKNOWN)
-            raise DispatchError(self.calls[i].worker, from_status(code, results[i].error))
+            raise DispatchError(self.calls[i].worker, member_error(results[i]))
         return [r.reply for r in results]
 
 
@@ -147,7 +144,7 @@ def _requests(calls: list[Call]) -> list:
 
 class Dispatcher:
     def __init__(self, token: str, fanout: int = RELAY_FANOUT, controller_key: str = ""):
-        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key, step_channels=True)
+        self._calls = AsyncCalls(token, pb_grpc.WorkerStub, controller_key, step_channel=StepChannel)
         self.fanout = fanout
         self._loading: collections.Counter[str] = collections.Counter()
         """Per worker id, its LoadPlan calls in flight (counted from two threads: under the lock)."""

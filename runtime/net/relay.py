@@ -17,7 +17,7 @@ import grpc
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll._rpc import atoll_pb2_grpc as pb_grpc
-from atoll.errors import AtollError, InvalidInput
+from atoll.errors import AtollError, InvalidInput, from_status
 from atoll.net.rpc import AsyncCalls
 
 # a subtree answers after its members' deadlines; each level of relaying gets this much more
@@ -76,10 +76,21 @@ def in_thread(fn: Callable, arg) -> Future:
 _ABANDONED = pb.MemberResult(abandoned=True, code=grpc.StatusCode.ABORTED.value[0], error="abandoned")
 
 
-def _failure(error: BaseException) -> pb.MemberResult:
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def member_failure(error: BaseException, what: str = "") -> pb.MemberResult:
+    """A failed member's result: an atoll error's code and words; anything else (a bug) INTERNAL,
+    prefixed ``what: `` as ``rpc_handler`` reports a unary call's bug."""
     if isinstance(error, AtollError):
         return pb.MemberResult(code=error.code.value[0], error=str(error))
-    return pb.MemberResult(code=grpc.StatusCode.INTERNAL.value[0], error=f"{type(error).__name__}: {error}")
+    prefix = f"{what}: " if what else ""
+    return pb.MemberResult(code=grpc.StatusCode.INTERNAL.value[0], error=f"{prefix}{type(error).__name__}: {error}")
+
+
+def member_error(result: pb.MemberResult) -> AtollError:
+    """The error a failed member's result carries (``member_failure`` read back)."""
+    return from_status(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.error)
 
 
 def _results(future: Future, size: int) -> list[pb.MemberResult]:
@@ -88,12 +99,12 @@ def _results(future: Future, size: int) -> list[pb.MemberResult]:
         return [_ABANDONED] * size
     error = future.exception()
     if error is not None:  # the subtree's root failed, or could not be reached: nothing below ran through it
-        return [_failure(error)] + [_ABANDONED] * (size - 1)
+        return [member_failure(error)] + [_ABANDONED] * (size - 1)
     reply = future.result()
     if isinstance(reply, pb.RunStepGroupReply):
         if len(reply.results) != size:
             wrong = AtollError(f"a relay answered for {len(reply.results)} of its {size} members")
-            return [_failure(wrong)] + [_ABANDONED] * (size - 1)
+            return [member_failure(wrong)] + [_ABANDONED] * (size - 1)
         return list(reply.results)
     return [pb.MemberResult(reply=reply)]
 

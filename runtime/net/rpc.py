@@ -269,14 +269,12 @@ class AsyncCalls:
     a thread per call would cost more, and a bounded pool of them could deadlock by queuing
     part of a step behind its own waiting calls."""
 
-    def __init__(self, token: str, stub_class, controller_key: str = "", step_channels: bool = False):
-        """``step_channels``: send ``RunStep`` calls on a long-lived stream per worker
-        (atoll.net.step_channel)."""
+    def __init__(self, token: str, stub_class, controller_key: str = "", step_channel=None):
+        """``step_channel``: send ``RunStep`` calls as messages on a long-lived stream per worker,
+        made by this class (atoll.net.step_channel.StepChannel, which builds on this module)."""
         self._token = token
-        from atoll.net.step_channel import StepChannel  # it builds on this module's error mapping
-
-        self._step_channel = StepChannel
-        self._step_channels: dict[str, StepChannel] | None = {} if step_channels else None
+        self._step_channel = step_channel
+        self._step_channels: dict = {}
         self._metadata = call_metadata(token, controller_key)
         self._stub_class = stub_class
         self._service = _service_of(stub_class)
@@ -332,7 +330,7 @@ class AsyncCalls:
         if entry is None:
             channel = _channel(grpc.aio, address, _tls.current())
             entry = self._channels[address] = (channel, self._stub_class(channel))
-        if method == "RunStep" and self._step_channels is not None:
+        if method == "RunStep" and self._step_channel is not None:
             step_channel = self._step_channels.get(address)
             if step_channel is None or step_channel.broken is not None:
                 step_channel = self._step_channels[address] = self._step_channel(entry[1], self._metadata, address)
@@ -348,7 +346,7 @@ class AsyncCalls:
 
     def close(self) -> None:
         async def close_all():
-            for step_channel in (self._step_channels or {}).values():
+            for step_channel in self._step_channels.values():
                 step_channel.close()
             for channel, _ in self._channels.values():
                 await channel.close()

@@ -19,9 +19,9 @@ import grpc
 
 from atoll import errors
 from atoll._rpc import atoll_pb2 as pb
+from atoll.net.relay import member_error
 from atoll.net.rpc import _raised_by_daemon, as_atoll_error
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 _REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
 READ_STATUS_S = 5.0
 """How long a failed write waits for the stream's status before failing its step without it."""
@@ -45,12 +45,10 @@ class StepChannel:
                 waiting = self._pending.pop(answer.id, None)
                 if waiting is None or waiting.done():  # its caller stopped waiting (deadline, abandon)
                     continue
-                result = answer.result
-                if result.code:
-                    code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-                    waiting.set_exception(errors.from_status(code, result.error))
+                if answer.result.code:
+                    waiting.set_exception(member_error(answer.result))
                 else:
-                    waiting.set_result(result.reply)
+                    waiting.set_result(answer.result.reply)
         except grpc.RpcError as e:
             error = self._broken_by(e)
         except asyncio.CancelledError:

@@ -16,10 +16,9 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-
 from atoll._rpc import atoll_pb2 as pb
 from atoll.errors import AtollError
+from atoll.net.relay import member_failure
 
 log = logging.getLogger("atoll.worker.daemon")
 
@@ -27,11 +26,11 @@ _ENDED = object()
 
 
 def failure(error: BaseException) -> pb.MemberResult:
-    """A failed step's answer: its status code and words, as the unary ``RunStep`` would abort with."""
-    if isinstance(error, AtollError):
-        return pb.MemberResult(code=error.code.value[0], error=str(error))
-    log.error("RunStep failed:\n%s", "".join(traceback.format_exception(error)))
-    return pb.MemberResult(code=grpc.StatusCode.INTERNAL.value[0], error=f"RunStep: {type(error).__name__}: {error}")
+    """A failed step's answer: its status code and words, as the unary ``RunStep`` would abort with
+    (a bug logged with its traceback, as ``rpc_handler`` does)."""
+    if not isinstance(error, AtollError):
+        log.error("RunStep failed:\n%s", "".join(traceback.format_exception(error)))
+    return member_failure(error, "RunStep")
 
 
 class StepChannels:
