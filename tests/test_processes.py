@@ -66,6 +66,13 @@ def test_a_shared_zygote_is_one_per_start_environment_but_for_the_ignored_variab
         own.close()
 
 
+def test_only_a_cpu_cluster_forks_its_daemons_from_a_zygote():
+    """A child forked after its parent touched CUDA cannot use CUDA (on a GPU machine, every CUDA
+    worker forked from the zygote died at start: "Cannot re-initialize CUDA in forked subprocess")."""
+    assert atoll.LocalCluster(workers=2)._forks_daemons() == sys.platform.startswith("linux")
+    assert not atoll.LocalCluster(workers=2, devices=["cpu", "cuda:0"], cuda_mps=False)._forks_daemons()
+
+
 def test_local_cluster_stops_everything_when_the_body_raises(capfd):
     """... and keeps its logs, saying where (a clean exit removes them, as the test above shows)."""
     before = set(descendants(os.getpid()))

@@ -54,9 +54,10 @@ class LocalCluster:
 
     Use as a context manager. Every process is started by this object, tracked by PID, and
     stopped on exit (also when the body raises); each daemon also exits by itself if this
-    process dies. On Linux the daemons are forked from one zygote process that imported torch
-    and atoll once (atoll.cli.zygote), not each started from a fresh interpreter: a cluster
-    then pays the imports' seconds of CPU once, not once per daemon.
+    process dies. On Linux the daemons of a CPU cluster are forked from one zygote process that
+    imported torch and atoll once (atoll.cli.zygote), not each started from a fresh interpreter:
+    a cluster then pays the imports' seconds of CPU once, not once per daemon. CUDA workers
+    cannot be forked so (see ``_forks_daemons``).
 
     Logs go to ``log_dir``, removed on a clean exit; kept when ``keep_logs``, when the body
     raised (a job failed, say) or when a daemon exited with an error, and then named in one line
@@ -144,6 +145,14 @@ class LocalCluster:
             warnings.warn(f"LocalCluster: workers share a GPU without CUDA MPS, which did not start: {e}", stacklevel=3)
             return None
 
+    def _forks_daemons(self) -> bool:
+        """Whether the daemons fork from a zygote: on Linux, for CPU workers only. CUDA's state does
+        not survive a fork, and torch marks a child forked after its parent touched CUDA (the
+        zygote's imports ask for the device count) so that any CUDA call there fails; a cluster
+        with CUDA workers starts every daemon, the controller too (it analyzes on fake CUDA
+        tensors), from a fresh interpreter."""
+        return hasattr(os, "fork") and sys.platform.startswith("linux") and all(d == "cpu" for d in self.devices)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in ([self.controller] if self.controller else []) + self.workers]
@@ -196,7 +205,7 @@ class LocalCluster:
         try:
             if self.cuda_mps:
                 self._mps = self._start_mps()
-            if hasattr(os, "fork") and sys.platform.startswith("linux"):
+            if self._forks_daemons():
                 self._zygote, self._owns_zygote = zygote_for(self._env(), self.log_dir, self.startup_timeout_s)
             ready = self.log_dir / "controller.ready"
             self.controller = self._spawn(
