@@ -14,7 +14,7 @@ the physical limit: the busiest rank's forward and backward work per microbatch 
 microbatches, as steps per second, and atoll's share of it; measured with each rank's work in a
 process alone, and again with all ranks' at once (``contended_limit``: what the ranks pay for
 sharing the machine's memory and cache; bench/stage_limit.py), with each side's share of that
-(atoll's with steps waited for and sent ahead).
+(atoll's with steps waited for, sent ahead and several to a call).
 The limit is measured in every round, after the two sides' rates, and each share is the median
 of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
 
@@ -27,11 +27,13 @@ same intra-op threads per process.
 Small shared machines are noisy, so the two are measured in alternating rounds while both sets of
 processes stay up (atoll, torch, atoll, torch, ...): each round gives a ratio, and the report
 gives per-round ratios and their median. Prints one JSON object; ratio = atoll / torch steps per
-second (above 1 means atoll is faster). atoll is measured twice per round: with ``job.step``
-(each step waits for the previous) and with ``job.step_async`` (a round's steps are all sent
-before waiting, as a Pathways client would). On CPU the report also gives the CPU milliseconds
-each side's processes spent per step (atoll's client, controller and workers; torch's ranks): with
-more processes than cores, the rates follow it. Nothing here asserts on time.
+second (above 1 means atoll is faster). atoll is measured three times per round: with ``job.step``
+(each step waits for the previous), with ``job.step_async`` (a round's steps are all sent
+before waiting, as a Pathways client would) and with ``job.steps_async`` (``--steps-per-call``
+steps to a call, the next call sent while one runs, as examples/train_gpt.py trains). On CPU the
+report also gives the CPU milliseconds each side's processes spent per step (atoll's client,
+controller and workers; torch's ranks): with more processes than cores, the rates follow it.
+Nothing here asserts on time.
 
 With ``--device cuda`` the peer is the same model trained in one process on the same GPU (same
 microbatches, optimizer and batches; no pipeline, so no bubble): ratio = atoll / single process.
@@ -167,17 +169,27 @@ class AtollSide:
         self.stage_blocks = [[int(b) for b in s["modules"]] for s in self.job.plan.report["stages"]]
         self.run(args.warmup)
 
-    def run(self, steps: int, pipelined: bool = False) -> tuple[float, float]:
+    def run(self, steps: int, pipelined: bool = False, per_call: int = 0) -> tuple[float, float]:
         """Returns (steps per second, last loss). ``pipelined`` sends every step of the round
-        before waiting (step_async), so the controller dispatches step k+1 while k runs."""
+        before waiting (step_async), so the controller dispatches step k+1 while k runs.
+        ``per_call`` sends the steps ``per_call`` to a call (steps_async), the next call sent
+        while one runs, as examples/train_gpt.py does: each worker runs a call's steps in one
+        turn, so the control plane's cost per call is shared by its steps."""
         start = time.perf_counter()
         futures = []
-        for _ in range(steps):
-            x, y = self.batches[self.next % len(self.batches)]
-            self.next += 1
-            futures.append(self.job.step_async(x, y))
-            if not pipelined:
-                futures[-1].result()
+        for done in range(0, steps, per_call or 1):
+            chunk = []
+            for _ in range(min(per_call or 1, steps - done)):
+                chunk.append(self.batches[self.next % len(self.batches)])
+                self.next += 1
+            if per_call:
+                futures.append(self.job.steps_async(chunk)[-1])
+                if len(futures) > 1:
+                    futures[-2].result()
+            else:
+                futures.append(self.job.step_async(*chunk[0]))
+                if not pipelined:
+                    futures[-1].result()
         loss = [f.result() for f in futures][-1]
         return steps / (time.perf_counter() - start), loss
 
@@ -379,6 +391,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             cpu[0].stop()
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
+            c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
@@ -386,7 +399,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
                 limits.append(limit.measure(args.limit_window_s))
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
-            rounds.append((a_rate, p_rate, t_rate))
+            rounds.append((a_rate, p_rate, t_rate, c_rate))
     finally:
         report = atoll.job.plan.report
         memory = atoll.job.last.memory
@@ -399,13 +412,16 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         "virtual_stages": virtual,
         "stage_blocks": atoll.stage_blocks,
         "transports": sorted({e["transport"] for e in report["edges"]}),
-        "atoll_steps_per_s": round(median([a for a, _, _ in rounds]), 3),
-        "atoll_async_steps_per_s": round(median([p for _, p, _ in rounds]), 3),
-        steps_key: round(median([t for _, _, t in rounds]), 3),
-        f"ratio_atoll_over_{name}": round(median([a / t for a, _, t in rounds]), 3),
-        f"ratio_atoll_async_over_{name}": round(median([p / t for _, p, t in rounds]), 3),
-        "ratio_per_round": [round(a / t, 3) for a, _, t in rounds],
-        "ratio_async_per_round": [round(p / t, 3) for _, p, t in rounds],
+        "atoll_steps_per_s": round(median([a for a, _, _, _ in rounds]), 3),
+        "atoll_async_steps_per_s": round(median([p for _, p, _, _ in rounds]), 3),
+        "atoll_per_call_steps_per_s": round(median([c for _, _, _, c in rounds]), 3),
+        steps_key: round(median([t for _, _, t, _ in rounds]), 3),
+        f"ratio_atoll_over_{name}": round(median([a / t for a, _, t, _ in rounds]), 3),
+        f"ratio_atoll_async_over_{name}": round(median([p / t for _, p, t, _ in rounds]), 3),
+        f"ratio_atoll_per_call_over_{name}": round(median([c / t for _, _, t, c in rounds]), 3),
+        "ratio_per_round": [round(a / t, 3) for a, _, t, _ in rounds],
+        "ratio_async_per_round": [round(p / t, 3) for _, p, t, _ in rounds],
+        "ratio_per_call_per_round": [round(c / t, 3) for _, _, t, c in rounds],
         "first_round_loss_atoll": round(first_round_losses[0], 5),
         f"first_round_loss_{name}": round(first_round_losses[1], 5),
         "predicted_bubble_fraction": round(report["predicted_bubble_fraction"], 3),
@@ -419,12 +435,18 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
         # another with no bubble, measured with each rank alone and with all at once
         # (stage_limit.py), in every round; each share is the median of the rounds' own
-        shares = {  # each side's share: its index in a round's (atoll, atoll async, torch) rates
-            "physical_limit": {"atoll_share_of_limit": 0, "atoll_async_share_of_limit": 1, "torch_share_of_limit": 2},
+        shares = {  # each side's share: its index in a round's (atoll, atoll async, torch, atoll per call) rates
+            "physical_limit": {
+                "atoll_share_of_limit": 0,
+                "atoll_async_share_of_limit": 1,
+                "torch_share_of_limit": 2,
+                "atoll_per_call_share_of_limit": 3,
+            },
             "contended_limit": {
                 "atoll_share_of_contended_limit": 0,
                 "atoll_async_share_of_contended_limit": 1,
                 "torch_share_of_contended_limit": 2,
+                "atoll_per_call_share_of_contended_limit": 3,
             },
         }
         for i, (key, sides) in enumerate(shares.items()):
@@ -502,6 +524,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternating atoll/torch rounds per schedule")
     parser.add_argument("--steps", type=int, default=8, help="steps per round")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=4,
+        help="atoll's third measurement: job.steps_async with this many steps to a call, two calls in flight",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64)
@@ -546,6 +574,7 @@ def main() -> None:
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
         ours = max(rows, key=lambda r: r["atoll_steps_per_s"])
         sent_ahead = max(rows, key=lambda r: r["atoll_async_steps_per_s"])  # steps sent before waiting
+        per_call = max(rows, key=lambda r: r["atoll_per_call_steps_per_s"])  # several steps to a call
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         torch_rate = theirs["torch_pipelining_steps_per_s"]
         best = {
@@ -554,6 +583,8 @@ def main() -> None:
             "torch": {"schedule": theirs["schedule"], "steps_per_s": torch_rate},
             "ratio_atoll_over_torch": round(ours["atoll_steps_per_s"] / torch_rate, 3),
             "ratio_atoll_async_over_torch": round(sent_ahead["atoll_async_steps_per_s"] / torch_rate, 3),
+            "atoll_per_call": {"schedule": per_call["schedule"], "steps_per_s": per_call["atoll_per_call_steps_per_s"]},
+            "ratio_atoll_per_call_over_torch": round(per_call["atoll_per_call_steps_per_s"] / torch_rate, 3),
         }
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
@@ -574,6 +605,7 @@ def main() -> None:
                 "model": f"{described} params={sum(p.numel() for p in model.parameters())}",
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,
+                "steps_per_call": args.steps_per_call,
                 "warmup_steps": args.warmup,
                 "threads_per_process": args.threads,
                 "cpus": os.cpu_count(),
