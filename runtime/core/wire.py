@@ -141,8 +141,15 @@ def tensor_from_bytes(data: bytes, dtype_text: str, shape, what: str = "tensor")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
+def tensor_fields(t: torch.Tensor) -> dict:
+    """A tensor as TensorData's fields. A message's constructor takes them in place of a
+    TensorData and builds it inside the message: a TensorData built first is copied into it,
+    bytes and all (a 1 MiB step's request: 0.45 against 0.69 ms of the client's CPU)."""
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data": tensor_bytes(t)}
+
+
 def tensor_to_pb(t: torch.Tensor) -> pb.TensorData:
-    return pb.TensorData(dtype=dtype_name(t.dtype), shape=list(t.shape), data=tensor_bytes(t))
+    return pb.TensorData(**tensor_fields(t))
 
 
 def tensor_from_pb(msg: pb.TensorData, what: str = "tensor") -> torch.Tensor:
