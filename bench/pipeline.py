@@ -148,6 +148,15 @@ def even_split_points(model, chunks: int) -> list[str] | None:
     return [str(i) for i in range(per, blocks, per)]
 
 
+ATOLL_SIDES = {
+    "atoll": "ratio_per_round",
+    "atoll_async": "ratio_async_per_round",
+    "atoll_per_call": "ratio_per_call_per_round",
+}
+"""atoll's three ways of running a round (steps waited for, sent ahead, several to a call; see
+``AtollSide.run``), each with its report key of per-round ratios."""
+
+
 class AtollSide:
     def __init__(self, client, model, batches, args, schedule: str, virtual: int):
         x, y = batches[0]
@@ -399,7 +408,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
                 limits.append(limit.measure(args.limit_window_s))
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
-            rounds.append((a_rate, p_rate, t_rate, c_rate))
+            rounds.append({"atoll": a_rate, "atoll_async": p_rate, "atoll_per_call": c_rate, "peer": t_rate})
     finally:
         report = atoll.job.plan.report
         memory = atoll.job.last.memory
@@ -412,16 +421,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         "virtual_stages": virtual,
         "stage_blocks": atoll.stage_blocks,
         "transports": sorted({e["transport"] for e in report["edges"]}),
-        "atoll_steps_per_s": round(median([a for a, _, _, _ in rounds]), 3),
-        "atoll_async_steps_per_s": round(median([p for _, p, _, _ in rounds]), 3),
-        "atoll_per_call_steps_per_s": round(median([c for _, _, _, c in rounds]), 3),
-        steps_key: round(median([t for _, _, t, _ in rounds]), 3),
-        f"ratio_atoll_over_{name}": round(median([a / t for a, _, t, _ in rounds]), 3),
-        f"ratio_atoll_async_over_{name}": round(median([p / t for _, p, t, _ in rounds]), 3),
-        f"ratio_atoll_per_call_over_{name}": round(median([c / t for _, _, t, c in rounds]), 3),
-        "ratio_per_round": [round(a / t, 3) for a, _, t, _ in rounds],
-        "ratio_async_per_round": [round(p / t, 3) for _, p, t, _ in rounds],
-        "ratio_per_call_per_round": [round(c / t, 3) for _, _, t, c in rounds],
+        steps_key: round(median([r["peer"] for r in rounds]), 3),
         "first_round_loss_atoll": round(first_round_losses[0], 5),
         f"first_round_loss_{name}": round(first_round_losses[1], 5),
         "predicted_bubble_fraction": round(report["predicted_bubble_fraction"], 3),
@@ -429,34 +429,26 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         "predicted_memory_total_per_rank": [report["predicted_memory"][str(r)]["total"] for r in range(args.ranks)],
         "counted_memory_total_per_rank": [memory[r]["peak"]["total"] for r in range(args.ranks)],
     }
+    for side, per_round in ATOLL_SIDES.items():  # each of atoll's ways against the peer
+        row[f"{side}_steps_per_s"] = round(median([r[side] for r in rounds]), 3)
+        row[f"ratio_{side}_over_{name}"] = round(median([r[side] / r["peer"] for r in rounds]), 3)
+        row[per_round] = [round(r[side] / r["peer"], 3) for r in rounds]
     if args.device == "cpu":
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
         # another with no bubble, measured with each rank alone and with all at once
         # (stage_limit.py), in every round; each share is the median of the rounds' own
-        shares = {  # each side's share: its index in a round's (atoll, atoll async, torch, atoll per call) rates
-            "physical_limit": {
-                "atoll_share_of_limit": 0,
-                "atoll_async_share_of_limit": 1,
-                "torch_share_of_limit": 2,
-                "atoll_per_call_share_of_limit": 3,
-            },
-            "contended_limit": {
-                "atoll_share_of_contended_limit": 0,
-                "atoll_async_share_of_contended_limit": 1,
-                "torch_share_of_contended_limit": 2,
-                "atoll_per_call_share_of_contended_limit": 3,
-            },
-        }
-        for i, (key, sides) in enumerate(shares.items()):
+        # each side's share of each limit: "atoll_share_of_limit", "torch_share_of_contended_limit", ...
+        for i, (key, share) in enumerate({"physical_limit": "limit", "contended_limit": "contended_limit"}.items()):
             per_round = [costs[i] for costs in limits]
             row[f"{key}_ms_per_microbatch_per_rank"] = [round(median(list(c)) * 1e3, 2) for c in zip(*per_round)]
             rates = [1 / (max(costs) * args.microbatches) for costs in per_round]
             row[f"{key}_steps_per_s"] = round(median(rates), 3)
             row[f"{key}_steps_per_s_per_round"] = [round(r, 3) for r in rates]
-            for name, side in sides.items():
-                row[name] = round(median([measured[side] / r for measured, r in zip(rounds, rates)]), 3)
+            for side in [*ATOLL_SIDES, "peer"]:
+                label = "torch" if side == "peer" else side
+                row[f"{label}_share_of_{share}"] = round(median([m[side] / r for m, r in zip(rounds, rates)]), 3)
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
@@ -572,20 +564,13 @@ def main() -> None:
         auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None
     best = {}
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
-        ours = max(rows, key=lambda r: r["atoll_steps_per_s"])
-        sent_ahead = max(rows, key=lambda r: r["atoll_async_steps_per_s"])  # steps sent before waiting
-        per_call = max(rows, key=lambda r: r["atoll_per_call_steps_per_s"])  # several steps to a call
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         torch_rate = theirs["torch_pipelining_steps_per_s"]
-        best = {
-            "atoll": {"schedule": ours["schedule"], "steps_per_s": ours["atoll_steps_per_s"]},
-            "atoll_async": {"schedule": sent_ahead["schedule"], "steps_per_s": sent_ahead["atoll_async_steps_per_s"]},
-            "torch": {"schedule": theirs["schedule"], "steps_per_s": torch_rate},
-            "ratio_atoll_over_torch": round(ours["atoll_steps_per_s"] / torch_rate, 3),
-            "ratio_atoll_async_over_torch": round(sent_ahead["atoll_async_steps_per_s"] / torch_rate, 3),
-            "atoll_per_call": {"schedule": per_call["schedule"], "steps_per_s": per_call["atoll_per_call_steps_per_s"]},
-            "ratio_atoll_per_call_over_torch": round(per_call["atoll_per_call_steps_per_s"] / torch_rate, 3),
-        }
+        best = {"torch": {"schedule": theirs["schedule"], "steps_per_s": torch_rate}}
+        for side in ATOLL_SIDES:  # each of atoll's ways at its own fastest schedule
+            ours = max(rows, key=lambda r: r[f"{side}_steps_per_s"])
+            best[side] = {"schedule": ours["schedule"], "steps_per_s": ours[f"{side}_steps_per_s"]}
+            best[f"ratio_{side}_over_torch"] = round(ours[f"{side}_steps_per_s"] / torch_rate, 3)
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:

@@ -137,8 +137,7 @@ class CudaIpcTransport:
             "buffers": [(b.data_ptr() - base, b.nbytes) for b in buffers],
             "ordering": self.ordering,
         }
-        if self.ordering == "flags":
-            ops = StreamMemoryOps.load()
+        if self.ordering == "flags":  # choose_ordering picked flags only where ops loaded
             counters = torch.zeros(2 * max(1, len(buffers)), dtype=torch.int32, device=self.device)
             self._marks = FlagMarks(ops, counters, len(buffers))
             info["counters"] = export_region(counters)
