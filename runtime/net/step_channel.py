@@ -20,7 +20,7 @@ import grpc
 from atoll import errors
 from atoll._rpc import atoll_pb2 as pb
 from atoll.net.relay import member_error
-from atoll.net.rpc import _raised_by_daemon, as_atoll_error
+from atoll.net.rpc import as_atoll_error, raised_by_daemon
 
 _REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
 READ_STATUS_S = 5.0
@@ -61,7 +61,7 @@ class StepChannel:
         itself, or else a lost connection, which fails a step as a unary call to a worker that cannot
         be reached does (gRPC reports a write on a stream whose peer died as INTERNAL, not
         UNAVAILABLE: an auto_resume job must still see a dead worker, to repair it)."""
-        if _raised_by_daemon(e) or e.code() in _REFUSED:
+        if raised_by_daemon(e) or e.code() in _REFUSED:
             return as_atoll_error(e, self._what)
         daemon = errors.WorkerUnavailable.DAEMON
         return errors.WorkerUnavailable(f"{self._what}: {daemon} unreachable ({e.code().name}: {e.details()})")
@@ -78,12 +78,16 @@ class StepChannel:
         if self.broken is not None:
             raise self.broken
         step_id = next(self._ids)
+        # copied in by CopyFrom: a constructor would merge the step (its batch too) by serializing
+        # and parsing it (a 1 MiB step, this message built and serialized: 1.0 against 1.5 ms)
+        message = pb.ChannelStep(id=step_id)
+        message.step.CopyFrom(request)
         answer = asyncio.get_running_loop().create_future()
         self._pending[step_id] = answer
         try:
             async with self._writing:
                 try:
-                    await self._call.write(pb.ChannelStep(id=step_id, step=request))
+                    await self._call.write(message)
                 except Exception:  # noqa: BLE001 (the stream has ended: its status says why)
                     await self._ended()
             try:
