@@ -358,7 +358,9 @@ class AsyncCalls:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-def _raised_by_daemon(e: grpc.RpcError) -> bool:
+def raised_by_daemon(e: grpc.RpcError) -> bool:
+    """Whether a call's error is an atoll error the daemon raised itself (``rpc_handler`` marks
+    those in the trailing metadata), not one gRPC reported on the way."""
     trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
     return any(key == ATOLL_ERROR_KEY for key, _ in trailing or ())
 
@@ -368,7 +370,7 @@ def unreachable(e: BaseException | None) -> bool:
     an error the daemon raised itself."""
     if not isinstance(e, grpc.RpcError) or e.code() != grpc.StatusCode.UNAVAILABLE:
         return False
-    return not _raised_by_daemon(e)
+    return not raised_by_daemon(e)
 
 
 def as_atoll_error(e: grpc.RpcError, what: str, unavailable=errors.WorkerUnavailable) -> errors.AtollError:
@@ -378,6 +380,6 @@ def as_atoll_error(e: grpc.RpcError, what: str, unavailable=errors.WorkerUnavail
     code, details = e.code(), e.details() or ""
     if unreachable(e):
         return unavailable(f"{what}: {unavailable.DAEMON} unreachable ({details})")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not _raised_by_daemon(e):
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not raised_by_daemon(e):
         return errors.DeadlineExceeded(f"{what}: no answer before the deadline")
     return errors.from_status(code, details)
