@@ -17,6 +17,12 @@ sharing the machine's memory and cache; bench/stage_limit.py), with each side's 
 (atoll's with steps waited for, sent ahead and several to a call).
 The limit is measured in every round, after the two sides' rates, and each share is the median
 of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
+Beside the limit's figures per microbatch, ``atoll_compute_ms_per_microbatch_per_rank`` gives the
+same work as it ran inside atoll's pipeline (several steps to a call): each rank's compute spans
+of the round's steps, less the receive waits inside them, over the microbatches (the optimizer's
+step apart, ``atoll_optimizer_ms_per_step_per_rank``). Where it exceeds the limit's figure, the
+same forward and backward ran slower inside the pipeline than alone: the share of the limit lost
+there is lost in the kernels (the ranks sharing the cores' caches and the memory), not in waits.
 
 On CPU, both sides train the same GPT-style model (examples/gpt.py), or with ``--model mlp`` an MLP
 (8 x Linear(1024, 1024) + GELU, then a head), from the same initial weights, with the same stage
@@ -70,7 +76,9 @@ from peers import peer_context  # noqa: E402
 from stage_limit import WINDOW_S, RankCosts  # noqa: E402
 
 import atoll  # noqa: E402
+from atoll.controller.compiler.trace import MEASURED_PID  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
+from atoll.core.spans import WAIT  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
 
 TORCH_SCHEDULES = {
@@ -393,7 +401,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         if args.device == "cpu":
             ranks_stages = [stage_ids(r, args.ranks, schedule, virtual) for r in range(args.ranks)]
             limit = RankCosts(make_setup, loss_of(args), args, atoll.stage_blocks, ranks_stages)
-        rounds, waiting = [], []
+        rounds, waiting, work = [], [], []
         for _ in range(args.rounds):
             cpu[0].start()
             a_rate, a_loss = atoll.run(args.steps)
@@ -401,6 +409,8 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
+            if args.device == "cpu":
+                work.append(compute_per_rank(atoll.job.timeline(last=args.steps), args.microbatches))
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
@@ -435,6 +445,8 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         row[per_round] = [round(r[side] / r["peer"], 3) for r in rounds]
     if args.device == "cpu":
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
+        for i, key in enumerate(("atoll_compute_ms_per_microbatch_per_rank", "atoll_optimizer_ms_per_step_per_rank")):
+            row[key] = [round(median([w[r][i] for w in work]) * 1e3, 2) for r in range(args.ranks)]
         row["torch_cpu_ms_per_step"] = cpu[1].ms_per_step(args.rounds * args.steps)
         # the physical limit: the busiest rank's forward and backward work, one microbatch after
         # another with no bubble, measured with each rank alone and with all at once
@@ -452,6 +464,32 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     if args.device == "cuda":
         row["cuda_max_allocated_per_rank"] = [memory[r]["cuda_max_allocated"] for r in range(args.ranks)]
     return row
+
+
+def compute_per_rank(trace, microbatches: int) -> list[tuple[float, float]]:
+    """Per pipeline rank, from a job's timelines: (seconds of compute per microbatch, seconds of
+    the optimizer's step per step), each the median over the steps. A compute span holds the
+    waits for the receives it takes; those are left out."""
+    rank_of = {w["worker"]: w["rank"] for w in trace.summary["workers"]}
+    per: dict[tuple[int, int], list[float]] = {}  # (rank, step) -> [compute, optimizer] seconds
+    for e in trace.events["traceEvents"]:
+        if e["ph"] != "X" or e["pid"] != MEASURED_PID:
+            continue
+        sums = per.setdefault((rank_of[e["tid"]], e["args"]["step"]), [0.0, 0.0])
+        if e["cat"] == "compute":
+            sums[0] += e["dur"] / 1e6
+        elif e["cat"] == WAIT and e["name"] != f"{WAIT} sends":  # a receive's wait, inside a compute
+            sums[0] -= e["dur"] / 1e6
+        elif e["cat"] == "step":
+            sums[1] += e["dur"] / 1e6
+    ranks = sorted({r for r, _ in per})
+    return [
+        (
+            median([c / microbatches for (r, _), (c, _) in per.items() if r == rank]),
+            median([o for (r, _), (_, o) in per.items() if r == rank]),
+        )
+        for rank in ranks
+    ]
 
 
 def auto_row(client, model, batches, args, rows: list[dict]) -> dict:

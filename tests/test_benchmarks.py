@@ -45,6 +45,14 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
             parts = [v for k, v in row[side].items() if k != "total"]
             assert min(parts) >= 0 and row[side]["total"] == pytest.approx(sum(parts), abs=0.05)
         assert row["physical_limit_steps_per_s"] > 0
+        # the same work inside atoll's pipeline (several steps to a call): each rank's compute
+        # spans less its receive waits, and its optimizer's step, fit in the step's wall time
+        step_ms = 1e3 / row["atoll_per_call_steps_per_s"]
+        for compute, optimizer in zip(
+            row["atoll_compute_ms_per_microbatch_per_rank"], row["atoll_optimizer_ms_per_step_per_rank"], strict=True
+        ):
+            assert compute > 0 and optimizer > 0 and compute * 2 + optimizer <= step_ms  # 2 microbatches
+        assert len(row["atoll_compute_ms_per_microbatch_per_rank"]) == 2
         # one round: each share is that round's rate over that round's limit
         # each rounded to 3 places: a share of 0.0415 reads 0.041 or 0.042, 1.2% off (a CI run
         # failed on rel=1e-2 alone), so the rounding's absolute 5e-4 is allowed too
