@@ -76,7 +76,6 @@ from peers import peer_context  # noqa: E402
 from stage_limit import WINDOW_S, RankCosts  # noqa: E402
 
 import atoll  # noqa: E402
-from atoll.controller.compiler.trace import MEASURED_PID  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from atoll.core.spans import WAIT  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
@@ -472,9 +471,7 @@ def compute_per_rank(trace, microbatches: int) -> list[tuple[float, float]]:
     waits for the receives it takes; those are left out."""
     rank_of = {w["worker"]: w["rank"] for w in trace.summary["workers"]}
     per: dict[tuple[int, int], list[float]] = {}  # (rank, step) -> [compute, optimizer] seconds
-    for e in trace.events["traceEvents"]:
-        if e["ph"] != "X" or e["pid"] != MEASURED_PID:
-            continue
+    for e in trace.measured_spans():
         sums = per.setdefault((rank_of[e["tid"]], e["args"]["step"]), [0.0, 0.0])
         if e["cat"] == "compute":
             sums[0] += e["dur"] / 1e6

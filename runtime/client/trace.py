@@ -29,12 +29,18 @@ class Trace:
         merging these for several jobs on one worker gives that order."""
         origin, ids = self.summary["origin_s"], {w["worker"]: w["worker_id"] for w in self.summary["workers"]}
         starts: dict[str, dict[int, float]] = {}
-        for e in self.events["traceEvents"]:
-            if e["ph"] == "X" and e["pid"] == 1:  # measured rows (controller/compiler/trace.py MEASURED_PID)
-                of_worker = starts.setdefault(ids[e["tid"]], {})
-                at = origin + e["ts"] / 1e6
-                of_worker[e["args"]["step"]] = min(at, of_worker.get(e["args"]["step"], at))
+        for e in self.measured_spans():
+            of_worker = starts.setdefault(ids[e["tid"]], {})
+            at = origin + e["ts"] / 1e6
+            of_worker[e["args"]["step"]] = min(at, of_worker.get(e["args"]["step"], at))
         return starts
+
+    def measured_spans(self) -> list[dict]:
+        """The spans the workers measured (not the predicted rows): each with the worker index as
+        ``tid``, ``cat`` its action's category or ``wait``, ``ts``/``dur`` in microseconds from the
+        trace's origin, and its step in ``args``."""
+        # the measured rows' pid: controller/compiler/trace.py MEASURED_PID
+        return [e for e in self.events["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the Chrome trace JSON to ``path``."""

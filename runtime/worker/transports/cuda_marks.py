@@ -39,8 +39,7 @@ class StreamMemoryOps:
     def __init__(self, lib: ctypes.CDLL, wait, write):
         self._lib, self._wait, self._write = lib, wait, write
         self._memcpy = getattr(lib, "cuMemcpyDtoDAsync_v2", None)
-        self.can_copy = self._memcpy is not None
-        if self.can_copy:
+        if self._memcpy is not None:
             self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
             self._memcpy.restype = ctypes.c_int
         self._streams: dict[torch.device, list[torch.cuda.ExternalStream]] = {}
@@ -86,6 +85,11 @@ class StreamMemoryOps:
 
     def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
         _checked("cuStreamWriteValue32", self._write(stream.cuda_stream, address, value, 0))  # 0: fenced
+
+    @property
+    def can_copy(self) -> bool:
+        """Whether the driver has ``cuMemcpyDtoDAsync`` (``copy``)."""
+        return self._memcpy is not None
 
     def copy(self, stream: torch.cuda.Stream, dst: int, src: int, nbytes: int) -> None:
         """``nbytes`` from device address ``src`` to ``dst``, queued on ``stream`` (``can_copy``).
