@@ -33,10 +33,12 @@ same intra-op threads per process.
 Small shared machines are noisy, so the two are measured in alternating rounds while both sets of
 processes stay up (atoll, torch, atoll, torch, ...): each round gives a ratio, and the report
 gives per-round ratios and their median. Prints one JSON object; ratio = atoll / torch steps per
-second (above 1 means atoll is faster). atoll is measured three times per round: with ``job.step``
+second (above 1 means atoll is faster). atoll is measured four times per round: with ``job.step``
 (each step waits for the previous), with ``job.step_async`` (a round's steps are all sent
-before waiting, as a Pathways client would) and with ``job.steps_async`` (``--steps-per-call``
-steps to a call, the next call sent while one runs, as examples/train_gpt.py trains). On CPU the
+before waiting, as a Pathways client would), with ``job.steps_async`` (``--steps-per-call``
+steps to a call, the next call sent while one runs, as examples/train_gpt.py trains), and so
+again on the same batches held by the workers that read them (``job.put_batch``, placed once:
+``atoll_resident``), as torch's ranks hold theirs, so that no step carries a batch. On CPU the
 report also gives the CPU milliseconds each side's processes spent per step (atoll's client,
 controller and workers; torch's ranks): with more processes than cores, the rates follow it.
 Nothing here asserts on time.
@@ -159,9 +161,11 @@ ATOLL_SIDES = {
     "atoll": "ratio_per_round",
     "atoll_async": "ratio_async_per_round",
     "atoll_per_call": "ratio_per_call_per_round",
+    "atoll_resident": "ratio_resident_per_round",
 }
-"""atoll's three ways of running a round (steps waited for, sent ahead, several to a call; see
-``AtollSide.run``), each with its report key of per-round ratios."""
+"""atoll's four ways of running a round (steps waited for, sent ahead, several to a call, and
+several to a call on batches held by the workers; see ``AtollSide.run``), each with its report
+key of per-round ratios."""
 
 
 class AtollSide:
@@ -182,21 +186,28 @@ class AtollSide:
             split_points=even_split_points(model, args.ranks * virtual),
         )
         self.batches, self.args, self.next = batches, args, 0
+        # the same batches placed once on the workers that read them (input on the first rank,
+        # target on the last), as torch's ranks hold theirs: the resident rounds step on these
+        self.resident = [self.job.put_batch(x, y) for x, y in batches]
         self.stage_blocks = [[int(b) for b in s["modules"]] for s in self.job.plan.report["stages"]]
         self.run(args.warmup)
 
-    def run(self, steps: int, pipelined: bool = False, per_call: int = 0) -> tuple[float, float]:
+    def run(
+        self, steps: int, pipelined: bool = False, per_call: int = 0, resident: bool = False
+    ) -> tuple[float, float]:
         """Returns (steps per second, last loss). ``pipelined`` sends every step of the round
         before waiting (step_async), so the controller dispatches step k+1 while k runs.
         ``per_call`` sends the steps ``per_call`` to a call (steps_async), the next call sent
         while one runs, as examples/train_gpt.py does: each worker runs a call's steps in one
-        turn, so the control plane's cost per call is shared by its steps."""
+        turn, so the control plane's cost per call is shared by its steps. ``resident`` steps on
+        the batches the workers hold (``Job.put_batch``): no step carries a batch's bytes."""
         start = time.perf_counter()
         futures = []
+        batches = self.resident if resident else self.batches
         for done in range(0, steps, per_call or 1):
             chunk = []
             for _ in range(min(per_call or 1, steps - done)):
-                chunk.append(self.batches[self.next % len(self.batches)])
+                chunk.append(batches[self.next % len(batches)])
                 self.next += 1
             if per_call:
                 futures.append(self.job.steps_async(chunk)[-1])
@@ -210,6 +221,9 @@ class AtollSide:
         return steps / (time.perf_counter() - start), loss
 
     def close(self) -> None:
+        for x, y in self.resident:
+            x.free()
+            y.free()
         self.job.close()
 
 
@@ -410,6 +424,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
             if args.device == "cpu":
                 work.append(compute_per_rank(atoll.job.timeline(last=args.steps), args.microbatches))
+            r_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call, resident=True)
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
@@ -417,7 +432,15 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
                 limits.append(limit.measure(args.limit_window_s))
             if not rounds:  # same weights, same batches so far: the losses must agree
                 first_round_losses = (a_loss, t_loss)
-            rounds.append({"atoll": a_rate, "atoll_async": p_rate, "atoll_per_call": c_rate, "peer": t_rate})
+            rounds.append(
+                {
+                    "atoll": a_rate,
+                    "atoll_async": p_rate,
+                    "atoll_per_call": c_rate,
+                    "atoll_resident": r_rate,
+                    "peer": t_rate,
+                }
+            )
     finally:
         report = atoll.job.plan.report
         memory = atoll.job.last.memory

@@ -89,14 +89,17 @@ def _fill(
     return step
 
 
-def _steps_calls(job: Job, first: int, requests: list[pb.StepRequest], modes: list[str]) -> list[pb.RunStepsRequest]:
+def _steps_calls(
+    job: Job, first: int, requests: list[pb.StepRequest], modes: list[str], refs
+) -> list[pb.RunStepsRequest]:
     """Each worker's RunSteps for steps ``first``, ``first + 1``, ...: every step written into
-    its call in place (see ``_fill``)."""
+    its call in place (see ``_fill``); ``refs``: each step's remote inputs and targets, with
+    their holders' addresses."""
     calls = [pb.RunStepsRequest() for _ in job.workers]
-    for seq, (request, mode) in enumerate(zip(requests, modes), start=first):
+    for seq, (request, mode, (input_refs, target_refs)) in enumerate(zip(requests, modes, refs), start=first):
         reads = _reads(job, request)
         for index, call in enumerate(calls):
-            _fill(call.steps.add(), job, seq, request, mode, reads.get(index))
+            _fill(call.steps.add(), job, seq, request, mode, reads.get(index), input_refs, target_refs)
     return calls
 
 
@@ -161,9 +164,10 @@ class Gang:
         return self._through_gate(job, calls, 1, job.dispatch_mode, common)
 
     def send_steps(self, job: Job, first: int, requests: list[pb.StepRequest], modes: list[str]):
-        """Send steps ``first``, ``first + 1``, ... (tensors only, none kept) as one RunSteps per
+        """Send steps ``first``, ``first + 1``, ... (none keeps its output) as one RunSteps per
         worker, in one gang position each; the replies are RunStepsReply, in worker order."""
-        calls = [Call(w, "RunSteps", c) for w, c in zip(job.workers, _steps_calls(job, first, requests, modes))]
+        refs = [(self.values.resolve(r.input_refs), self.values.resolve(r.target_refs)) for r in requests]
+        calls = [Call(w, "RunSteps", c) for w, c in zip(job.workers, _steps_calls(job, first, requests, modes, refs))]
         return self._through_gate(job, calls, len(requests))
 
     def _through_gate(self, job: Job, calls: list[Call], steps: int, mode: str = "direct", common=None):

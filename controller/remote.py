@@ -44,9 +44,14 @@ class RemoteValues:
         return holder_ref(worker, ref)
 
     def put(self, request: pb.PutValueRequest) -> pb.RemoteRef:
-        """Place a tensor on a worker (of ``island``, least loaded) and keep it there."""
+        """Place a tensor on a worker (the one named, else the least loaded of ``island``) and keep it there."""
         with self._lock:
             workers = [w for w in self.registry.live() if not request.island or w.island == request.island]
+            if request.worker_id:
+                workers = [w for w in workers if w.worker_id == request.worker_id]
+                if not workers:
+                    where = f" on island {request.island!r}" if request.island else ""
+                    raise NotFound(f"no live worker {request.worker_id!r}{where} to hold a value")
             if not workers:
                 raise NotEnoughWorkers(f"no live worker on island {request.island!r} to hold a value")
             worker = min(workers, key=lambda w: (len(w.jobs), int(w.worker_id[1:])))

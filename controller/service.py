@@ -210,7 +210,7 @@ class ControllerService(pb_grpc.ControllerServicer):
 
     @rpc_handler
     def PutValue(self, request, context):
-        """Place a tensor on a worker (of ``island``, least loaded) and keep it there."""
+        """Place a tensor on a worker (the one named, else the least loaded of ``island``) and keep it there."""
         return self.values.put(request)
 
     @rpc_handler

@@ -67,13 +67,18 @@ def check_step(job: Job, request: pb.StepRequest) -> str:
 
 
 def _check_in_batch(job: Job, request: pb.StepRequest, seq: int) -> str:
-    """check_step for a step sent with others (Stepper.steps): numbered in turn, on tensors, kept nowhere."""
+    """check_step for a step sent with others (Stepper.steps): numbered in turn, its output kept nowhere."""
     if request.seq and request.seq != seq:
         raise InvalidInput(f"the steps of one call are consecutive: step {request.seq} came where {seq} was due")
     mode = check_step(job, request)
-    if mode == "forward" or request.input_refs or request.target_refs:
-        raise InvalidInput("steps sent together are train or evaluate steps on tensors; send others one by one")
+    if mode == "forward":
+        raise InvalidInput("steps sent together are train or evaluate steps; send forward steps one by one")
     return mode
+
+
+def _named(request: pb.StepRequest) -> list[str]:
+    """The remote values a step reads."""
+    return [r.value_id for r in (*request.input_refs, *request.target_refs)]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -112,7 +117,7 @@ class Stepper:
             try:  # a refused step still uses up its number, so the steps behind it do not wait
                 job = self.jobs.ready(request.job_id)  # a worker may have died while this step waited
                 mode = check_step(job, request)
-                named = [r.value_id for r in (*request.input_refs, *request.target_refs)]
+                named = _named(request)
                 self.values.acquire(named)  # kept until the step ends: a free meanwhile waits for it
                 reads += named
                 if job.auto_resume:  # one step at a time, holding the order: a failure is repaired in place
@@ -140,6 +145,13 @@ class Stepper:
             for s in steps:
                 _check_in_batch(job, s, s.seq)
             return pb.StepsReply(replies=[self.step(s) for s in steps])
+        reads: list[str] = []  # the remote values the steps read, once acquired: held until they end
+        try:
+            return self._steps(job, steps, reads)
+        finally:
+            self.values.release(reads)
+
+    def _steps(self, job: Job, steps: list[pb.StepRequest], reads: list[str]) -> pb.StepsReply:
         with job.order:
             first = steps[0].seq or job.next_seq
             self.await_turn(job, first)
@@ -147,6 +159,9 @@ class Stepper:
             try:  # refused steps use up their numbers, as a single step's does
                 job = self.jobs.ready(job.job_id)
                 modes = [_check_in_batch(job, s, seq) for seq, s in enumerate(steps, start=first)]
+                named = [value for s in steps for value in _named(s)]
+                self.values.acquire(named)
+                reads += named
                 pending = self.gang.send_steps(job, first, steps, modes)
             finally:
                 job.next_seq = first + len(steps)

@@ -35,6 +35,7 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     for row in report["rows"]:
         assert row["atoll_steps_per_s"] > 0 and row["torch_pipelining_steps_per_s"] > 0
         assert row["atoll_per_call_steps_per_s"] > 0 and len(row["ratio_per_call_per_round"]) == 1
+        assert row["atoll_resident_steps_per_s"] > 0 and len(row["ratio_resident_per_round"]) == 1  # put_batch's
         assert row["first_round_loss_atoll"] == pytest.approx(row["first_round_loss_torch"], rel=1e-4)
         assert set(row["atoll_cpu_ms_per_step"]) == {"client", "controller", "worker0", "worker1", "total"}
         assert set(row["torch_cpu_ms_per_step"]) == {"rank0", "rank1", "total"}
@@ -65,10 +66,17 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["atoll_per_call_share_of_limit"] == pytest.approx(
             row["atoll_per_call_steps_per_s"] / row["physical_limit_steps_per_s"], rel=1e-2, abs=1e-3
         )
+        assert row["atoll_resident_share_of_limit"] == pytest.approx(
+            row["atoll_resident_steps_per_s"] / row["physical_limit_steps_per_s"], rel=1e-2, abs=1e-3
+        )
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("gpipe", "zbv")
     assert report["best"]["atoll_async"]["schedule"] in ("gpipe", "zbv") and report["best"]["torch"]["steps_per_s"] > 0
     assert report["steps_per_call"] == 2 and report["best"]["atoll_per_call"]["schedule"] in ("gpipe", "zbv")
+    assert (
+        report["best"]["atoll_resident"]["schedule"] in ("gpipe", "zbv")
+        and report["best"]["ratio_atoll_resident_over_torch"] > 0
+    )
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1 and gpipe, measured beside its prediction
     assert set(auto["predicted_step_s_by_candidate"]) == {"1f1b", "zb_h1", "gpipe"}
     assert auto["chosen"] in auto["predicted_step_s_by_candidate"] and auto["measured_step_s"] > 0

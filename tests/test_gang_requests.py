@@ -67,12 +67,15 @@ def test_a_step_written_in_place_is_the_one_built_from_constructors():
 
 def test_a_calls_steps_written_in_place_are_the_ones_built_from_constructors():
     job = _job()
-    requests = [_request(7), _request(8, direct=True)]
-    calls = _steps_calls(job, 7, requests, ["train", "evaluate"])
+    ref = pb.RemoteRef(value_id="v1", worker_id="w0", address="a:1")
+    requests = [_request(7), _request(8, direct=True), _request(9, target_ref_at=[1])]
+    modes, refs = ["train", "evaluate", "train"], [([], []), ([], []), ([], [ref])]  # a remote target
+    calls = _steps_calls(job, 7, requests, modes, refs)
     for index, call in enumerate(calls):
         steps = []
-        for seq, (request, mode) in enumerate(zip(requests, ["train", "evaluate"]), start=7):
-            own, common = _plain(job, seq, request, mode, [], [])
+        for seq, (request, mode, step_refs) in enumerate(zip(requests, modes, refs), start=7):
+            own, common = _plain(job, seq, request, mode, *step_refs)
             steps.append(own.get(index, common))
         assert call.SerializeToString() == pb.RunStepsRequest(steps=steps).SerializeToString()
-    assert len(calls[1].steps) == 2 and not calls[1].steps[0].inputs  # a middle rank reads no batch
+    assert len(calls[1].steps) == 3 and not calls[1].steps[0].inputs  # a middle rank reads no batch
+    assert list(calls[2].steps[2].target_refs) == [ref] and not calls[0].steps[2].target_refs  # the last rank reads it

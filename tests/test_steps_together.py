@@ -1,4 +1,5 @@
-"""Several steps in one call (Job.steps_async): the same steps as one by one, at a call's cost."""
+"""Several steps in one call (Job.steps_async): the same steps as one by one, at a call's cost; on
+batches held by the workers that read them (Job.put_batch), with no batch bytes at all."""
 
 import pytest
 import torch
@@ -77,3 +78,41 @@ def test_steps_together_on_a_sequential_dispatch_job_run_one_by_one(client4):
         job.close()
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "sgd", {})
     assert_matches_reference(losses, state, ref_losses, ref_state)
+
+
+def test_steps_together_on_batches_held_by_their_readers(client4):
+    """``put_batch`` places each batch's input on the first rank's worker and its target on the
+    last's; steps sent together on those handles are the steps on the tensors, bit for bit, and
+    no step carries a batch's bytes, nor moves them between workers."""
+    args = dict(stages=3, microbatches=2, schedule="zb_h1", optimizer="adamw", optimizer_args=ADAMW)
+    held, model, batches, loss_fn = models.submit(client4, make=_mlp64, **args)
+    sent, *_ = models.submit(client4, make=_mlp64, **args)
+    handles = [held.put_batch(x, y) for x, y in batches]
+    try:
+        placement = held.plan.report["placement"]
+        first, last = placement["0"].split()[0], placement["2"].split()[0]
+        assert {(x.worker_id, y.worker_id) for x, y in handles} == {(first, last)}
+        futures = held.steps_async(handles[:3]) + held.steps_async(handles[3:])
+        losses = [f.result() for f in futures]
+        sent_futures = sent.steps_async(batches)
+        assert losses == [f.result() for f in sent_futures]
+        state, sent_state = held.state_dict(), sent.state_dict()
+        assert all(torch.equal(state[k], sent_state[k]) for k in state)
+        memory, sent_memory = futures[-1].details().memory, sent_futures[-1].details().memory
+        assert all(m["control_plane_tensor_bytes"] == 0 for m in memory.values())
+        assert sent_memory[0]["control_plane_tensor_bytes"] > 0
+        assert [m["data_plane_bytes"] for m in memory.values()] == [m["data_plane_bytes"] for m in sent_memory.values()]
+        handles[1][1].free()
+        with pytest.raises(atoll.InvalidInput, match="was freed"):
+            held.steps_async(handles[:2])
+        assert held.steps_async([handles[0]])[0].result() > 0  # the job keeps serving
+        with pytest.raises(atoll.NotFound, match="no live worker 'w99'"):
+            client4.put(batches[0][0], worker="w99")
+    finally:
+        for x, y in handles:
+            x.free()
+            y.free()
+        held.close()
+        sent.close()
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
+    assert_matches_reference(losses, state, ref_losses, ref_state, rtol=1e-12)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61toll/_rpc/common.proto\x12\x08\x61toll.v1\"8\n\nTensorData\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"A\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.atoll.v1.TensorData\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"?\n\x08\x45\x64geSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07tensors\x18\x02 \x03(\x0b\x32\x14.atoll.v1.TensorSpec\")\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"e\n\tRemoteRef\x12\x10\n\x08value_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04spec\x18\x04 \x01(\x0b\x32\x14.atoll.v1.TensorSpec\"Y\n\x0fPutValueRequest\x12$\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.atoll.v1.TensorData\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x10\n\x08value_id\x18\x03 \x01(\t\"\x07\n\x05\x45mptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61toll/_rpc/common.proto\x12\x08\x61toll.v1\"8\n\nTensorData\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"A\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.atoll.v1.TensorData\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"?\n\x08\x45\x64geSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07tensors\x18\x02 \x03(\x0b\x32\x14.atoll.v1.TensorSpec\")\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"e\n\tRemoteRef\x12\x10\n\x08value_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\"\n\x04spec\x18\x04 \x01(\x0b\x32\x14.atoll.v1.TensorSpec\"l\n\x0fPutValueRequest\x12$\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.atoll.v1.TensorData\x12\x0e\n\x06island\x18\x02 \x01(\t\x12\x10\n\x08value_id\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\"\x07\n\x05\x45mptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,7 +44,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOTEREF']._serialized_start=314
   _globals['_REMOTEREF']._serialized_end=415
   _globals['_PUTVALUEREQUEST']._serialized_start=417
-  _globals['_PUTVALUEREQUEST']._serialized_end=506
-  _globals['_EMPTY']._serialized_start=508
-  _globals['_EMPTY']._serialized_end=515
+  _globals['_PUTVALUEREQUEST']._serialized_end=525
+  _globals['_EMPTY']._serialized_start=527
+  _globals['_EMPTY']._serialized_end=534
 # @@protoc_insertion_point(module_scope)

@@ -243,10 +243,12 @@ class Client(Connection):
             "tensor_parallel": layout["tensor"],
         }
 
-    def put(self, tensor: torch.Tensor, island: str = "") -> RemoteValue:
-        """Place ``tensor`` on a worker (of ``island``, least loaded) once; pass the handle to steps
-        in place of the tensor, as many times as needed."""
-        reply = self._call("PutValue", pb.PutValueRequest(tensor=tensor_to_pb(tensor), island=island))
+    def put(self, tensor: torch.Tensor, island: str = "", worker: str = "") -> RemoteValue:
+        """Place ``tensor`` on a worker (``worker``, a worker id, else the least loaded of
+        ``island``) once; pass the handle to steps in place of the tensor, as many times as needed
+        (``Job.put_batch`` places a batch on the workers that read it)."""
+        request = pb.PutValueRequest(tensor=tensor_to_pb(tensor), island=island, worker_id=worker)
+        reply = self._call("PutValue", request)
         return RemoteValue(self, reply)
 
     def compile(self, program: Program, *, microbatches: int, optimizer_args: dict | None = None, **settings) -> Job:

@@ -49,6 +49,13 @@ class BatchPoster:
                     )
         return self._route
 
+    def holders(self) -> tuple[str, str]:
+        """The workers to hold a batch's inputs and its targets: the first reader of each ("" for a
+        job that names no readers, an auto_resume one)."""
+        readers = self._readers()
+        inputs = next((r.worker_id for r in readers if r.inputs), "")
+        return inputs, next((r.worker_id for r in readers if r.targets), "")
+
     def post(self, seq: int, inputs: list[pb.TensorData], targets: list[pb.TensorData]) -> bool:
         """Give every reader its rows of step ``seq``'s batch (all at once); True once each has
         them. False where the job takes no posted batches (an auto_resume job: the controller

@@ -244,13 +244,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             timeout_s = self._job(request.job_id).timeout_s
         except NotFound as e:
             return step_batch.StepBatch(error=e)
-        return step_batch.take(request, timeout_s, self._pull, self.inbox)
+        return step_batch.take(request, timeout_s, self._pull, self.inbox, self.values.address)
 
     @_log.in_context(lambda request: (request.job_id, request.step))
     def _step(self, request: pb.RunStepRequest, batch: step_batch.StepBatch | None = None) -> pb.RunStepReply:
         """Run one step of a loaded job on its batch (by default taken now); call in the request's turn."""
         executor = self._job(request.job_id)
-        batch = batch or step_batch.take(request, executor.timeout_s, self._pull, self.inbox)
+        batch = batch or step_batch.take(request, executor.timeout_s, self._pull, self.inbox, self.values.address)
         self._use_device()
         try:
             if batch.error is not None:

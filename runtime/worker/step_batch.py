@@ -26,6 +26,7 @@ class StepBatch:
     control_bytes: int = 0
     """Its bytes that came in the request (through the controller)."""
     pulled_bytes: int = 0
+    """Its remote values' bytes that came from other workers (a value held here moves nothing)."""
     posted_bytes: int = 0
     error: Exception | None = None
     """Why it could not be taken: raised when its step runs."""
@@ -36,13 +37,16 @@ def take(
     timeout_s: float,
     pull: Callable[[pb.RemoteRef, float], torch.Tensor],
     inbox: BatchInbox,
+    here: str,
 ) -> StepBatch:
-    """Step ``request``'s batch; a posted one waits up to ``timeout_s`` in ``inbox``."""
+    """Step ``request``'s batch; a posted one waits up to ``timeout_s`` in ``inbox``; ``here``:
+    this worker's value-server address (the values it holds are read in place)."""
     control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
     try:
         pulled_inputs = [pull(r, timeout_s) for r in request.input_refs]
         pulled_targets = [pull(r, timeout_s) for r in request.target_refs]
-        pulled = sum(t.nbytes for t in (*pulled_inputs, *pulled_targets))
+        refs = (*request.input_refs, *request.target_refs)
+        pulled = sum(t.nbytes for r, t in zip(refs, (*pulled_inputs, *pulled_targets)) if r.address != here)
         posted_bytes = 0
         if request.direct:  # the client posted the rows here; the request names their specs
             posted = inbox.take(request.job_id, request.step, timeout_s).checked(request)
