@@ -35,6 +35,9 @@ def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(clien
         assert all(torch.equal(state[k], single_state[k]) for k in state)
         memory = futures[-1].details().memory
         assert set(memory) == set(range(4)) and all(m["control_plane_tensor_bytes"] >= 0 for m in memory.values())
+        if layout.get("data_parallel"):  # its steps take tensors: nothing is placed
+            with pytest.raises(atoll.InvalidInput, match="data- or tensor-parallel job takes its batches as tensors"):
+                together.put_batch(*batches[0])
     finally:
         together.close()
         one_by_one.close()
