@@ -29,8 +29,11 @@ def test_a_kept_output_trains_another_job_without_passing_through_client_or_cont
         holder = enc.plan.report["placement"][str(1)].split()[0]
         consumer = job.plan.report["placement"][str(0)].split()[0]
         assert features.worker_id == holder != consumer  # the value has to travel
-        losses = [job.step_async(features, target).result() for _ in range(3)]
+        # one step alone, two sent together (Job.steps_async): each pulls the value from its holder
+        futures = [job.step_async(features, target), *job.steps_async([(features, target)] * 2)]
+        losses = [f.result() for f in futures]
         memory = job.last.memory
+        assert job.last.step == 3
         assert all(m["control_plane_tensor_bytes"] == 0 for m in memory.values())
         assert memory[0]["data_plane_bytes"]["received"] >= 16 * 8 * 4  # pulled from the holder
         expected_features = enc.forward(x)
