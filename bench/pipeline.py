@@ -18,7 +18,7 @@ sharing the machine's memory and cache; bench/stage_limit.py), with each side's 
 The limit is measured in every round, after the two sides' rates, and each share is the median
 of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
 Beside the limit's figures per microbatch, ``atoll_compute_ms_per_microbatch_per_rank`` gives the
-same work as it ran inside atoll's pipeline (several steps to a call): each rank's compute spans
+same work as it ran inside atoll's pipeline (the resident round): each rank's compute spans
 of the round's steps, less the receive waits inside them, over the microbatches (the optimizer's
 step apart, ``atoll_optimizer_ms_per_step_per_rank``). Where it exceeds the limit's figure, the
 same forward and backward ran slower inside the pipeline than alone: the share of the limit lost
@@ -422,9 +422,9 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
-            if args.device == "cpu":
-                work.append(compute_per_rank(atoll.job.timeline(last=args.steps), args.microbatches))
             r_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call, resident=True)
+            if args.device == "cpu":  # the round closest to the limit: no batch crosses the cores
+                work.append(compute_per_rank(atoll.job.timeline(last=args.steps), args.microbatches))
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
