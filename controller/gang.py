@@ -41,7 +41,8 @@ def _step_requests(job: Job, seq: int, request: pb.StepRequest, mode: str, input
 
 def _reads(job: Job, request: pb.StepRequest) -> dict:
     """Per worker index that reads the batch or holds the last stage: its replica's rows of the
-    inputs and of the targets, whether it reads the inputs, whether it reads the targets."""
+    inputs and of the targets, whether it reads the inputs, whether it reads the targets, and its
+    replica (the rows it keeps of a remote value)."""
     replicas = job.compiled.topology.data_parallel
     reads, rows = {}, {}
     for index, d, inputs, targets in _batch_readers(job):
@@ -50,7 +51,7 @@ def _reads(job: Job, request: pb.StepRequest) -> dict:
                 [shard_rows(t, d, replicas) for t in request.inputs],
                 [shard_rows(t, d, replicas) for t in request.targets],
             )
-        reads[index] = (*rows[d], inputs, targets)
+        reads[index] = (*rows[d], inputs, targets, d)
     return reads
 
 
@@ -73,7 +74,10 @@ def _fill(
     step.job_id, step.step, step.mode = job.job_id, seq, mode
     if read is None:
         return step
-    inputs, targets, reads_inputs, reads_targets = read
+    inputs, targets, reads_inputs, reads_targets, replica = read
+    replicas = job.compiled.topology.data_parallel
+    if replicas > 1 and ((reads_inputs and input_refs) or (reads_targets and target_refs)):
+        step.ref_replica, step.ref_replicas = replica, replicas  # it keeps its rows of what it pulls
     if reads_inputs:
         for tensor in inputs:
             step.inputs.add().CopyFrom(tensor)

@@ -59,10 +59,8 @@ def check_step(job: Job, request: pb.StepRequest) -> str:
         check_batch(job.compiled.request.target, request.targets, target_refs, request.target_ref_at, request.direct)
     if request.keep_outputs and mode != "forward":
         raise InvalidInput("only a forward step keeps its output on the workers")
-    if topo.workers > topo.ranks and (input_refs or target_refs or request.keep_outputs):
-        raise InvalidInput(
-            "a data- or tensor-parallel job takes and returns tensors, not remote values (not built yet)"
-        )
+    if topo.workers > topo.ranks and request.keep_outputs:
+        raise InvalidInput("a data- or tensor-parallel job returns tensors, not remote values (not built yet)")
     return mode
 
 

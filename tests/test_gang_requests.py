@@ -35,7 +35,10 @@ def _plain(job, seq, request, mode, input_refs, target_refs):
     replicas = job.compiled.topology.data_parallel
     own = {}
     for index, d, inputs, targets in _batch_readers(job):
+        pulls = (inputs and input_refs) or (targets and target_refs)  # it keeps its replica's rows of them
         own[index] = pb.RunStepRequest(
+            ref_replica=d if pulls else 0,
+            ref_replicas=replicas if pulls else 0,
             job_id=job.job_id,
             step=seq,
             inputs=[shard_rows(t, d, replicas) for t in request.inputs] if inputs else [],
@@ -63,6 +66,7 @@ def test_a_step_written_in_place_is_the_one_built_from_constructors():
     assert common.SerializeToString() == plain_common.SerializeToString()
     rows = tensor_from_pb(own[3].inputs[0])  # replica 1 reads the last two rows
     assert torch.equal(rows, tensor_from_pb(request.inputs[0])[2:])
+    assert (own[3].ref_replica, own[3].ref_replicas) == (1, 2)  # and keeps rows 1/2 of what it pulls
 
 
 def test_a_calls_steps_written_in_place_are_the_ones_built_from_constructors():

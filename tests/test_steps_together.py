@@ -35,9 +35,22 @@ def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(clien
         assert all(torch.equal(state[k], single_state[k]) for k in state)
         memory = futures[-1].details().memory
         assert set(memory) == set(range(4)) and all(m["control_plane_tensor_bytes"] >= 0 for m in memory.values())
-        if layout.get("data_parallel"):  # its steps take tensors: nothing is placed
-            with pytest.raises(atoll.InvalidInput, match="data- or tensor-parallel job takes its batches as tensors"):
-                together.put_batch(*batches[0])
+        # the same two steps more, on batches the workers hold (Job.put_batch) and on tensors: in a
+        # data-parallel job the second replica pulls each value and keeps its own rows
+        held = [together.put_batch(x, y) for x, y in batches[:2]]
+        on_held = [f.result() for f in together.steps_async(held)]
+        assert on_held == [f.result() for f in one_by_one.steps_async(batches[:2])]
+        held_state, sent_state = together.state_dict(), one_by_one.state_dict()
+        assert all(torch.equal(held_state[k], sent_state[k]) for k in held_state)
+        assert all(m["control_plane_tensor_bytes"] == 0 for m in together.last.memory.values())
+        received = [
+            sum(m["data_plane_bytes"]["received"] for m in j.last.memory.values()) for j in (together, one_by_one)
+        ]
+        pulled = sum(t.numel() * t.element_size() for t in batches[1])  # the whole batch, by replica 1's readers
+        assert received[0] - received[1] == (pulled if layout.get("data_parallel") else 0)
+        for x, y in held:
+            x.free()
+            y.free()
     finally:
         together.close()
         one_by_one.close()
@@ -119,3 +132,40 @@ def test_steps_together_on_batches_held_by_their_readers(client4):
         sent.close()
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
     assert_matches_reference(losses, state, ref_losses, ref_state, rtol=1e-12)
+
+
+def test_tensor_parallel_readers_each_read_a_held_batch_whole(client4):
+    """Both tensor-parallel ranks of a stage read the whole batch: one holds it, the other pulls
+    it each step; the steps are those on tensors, bit for bit."""
+    jobs, batches = [], []
+    for _ in range(2):
+        model, batches, loss_fn = models.transformer()
+        x, y = batches[0]
+        jobs.append(
+            client4.pipeline(
+                model,
+                example_input=x,
+                example_target=y,
+                loss_fn=loss_fn,
+                microbatches=2,
+                stages=2,
+                tensor_parallel=2,
+                optimizer_args={"lr": 0.1},
+            )  # fmt: skip
+        )
+    held, sent = jobs
+    handles = [held.put_batch(x, y) for x, y in batches]
+    try:
+        losses = [f.result() for f in held.steps_async(handles)]
+        assert losses == [f.result() for f in sent.steps_async(batches)]
+        state, sent_state = held.state_dict(), sent.state_dict()
+        assert all(torch.equal(state[k], sent_state[k]) for k in state)
+        assert all(m["control_plane_tensor_bytes"] == 0 for m in held.last.memory.values())
+        with pytest.raises(atoll.InvalidInput, match="tensor-parallel job returns tensors, not remote values"):
+            held.forward(handles[0][0], keep=True)  # its logits are joined from slices
+    finally:
+        for x, y in handles:
+            x.free()
+            y.free()
+        held.close()
+        sent.close()

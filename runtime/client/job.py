@@ -171,10 +171,9 @@ class Job:
         an auto_resume one). Step on the handles as often as needed, ``step(*batch)`` or
         ``steps_async([batch, ...])``: no step carries their bytes again, as with a dataset held in
         each rank's memory. Returns (input, target) as ``RemoteValue``s, a tuple of them for a
-        tuple of tensors; free them (``free()``) when done."""
-        layout = self.plan.report["layout"]
-        if layout["data"] > 1 or layout["tensor"] > 1:  # the controller would refuse their steps
-            raise InvalidInput("a data- or tensor-parallel job takes its batches as tensors, not remote values")
+        tuple of tensors; free them (``free()``) when done. In a data-parallel job the first
+        replica's readers hold the whole batch and the other replicas' pull it, each keeping its
+        own rows."""
         holders = self._poster.holders()
 
         def placed(value, holder: str, what: str):
