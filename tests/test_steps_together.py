@@ -19,6 +19,13 @@ def _mlp64(seed: int = 0):
     return model.double(), [(x.double(), y.double()) for x, y in batches], loss_fn
 
 
+def _free(held: list) -> None:
+    """Free batches placed by ``Job.put_batch``."""
+    for x, y in held:
+        x.free()
+        y.free()
+
+
 @pytest.mark.parametrize("layout", [{"stages": 4}, {"stages": 2, "data_parallel": 2}], ids=["pp4", "pp2xdp2"])
 def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(client4, layout):
     args = dict(microbatches=2, schedule="1f1b", optimizer="adamw", optimizer_args=ADAMW, **layout)
@@ -48,9 +55,7 @@ def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(clien
         ]
         pulled = sum(t.numel() * t.element_size() for t in batches[1])  # the whole batch, by replica 1's readers
         assert received[0] - received[1] == (pulled if layout.get("data_parallel") else 0)
-        for x, y in held:
-            x.free()
-            y.free()
+        _free(held)
     finally:
         together.close()
         one_by_one.close()
@@ -125,9 +130,7 @@ def test_steps_together_on_batches_held_by_their_readers(client4):
         with pytest.raises(atoll.NotFound, match="no live worker 'w99'"):
             client4.put(batches[0][0], worker="w99")
     finally:
-        for x, y in handles:
-            x.free()
-            y.free()
+        _free(handles)
         held.close()
         sent.close()
     ref_losses, ref_state = train_reference(model, batches, loss_fn, 2, "adamw", ADAMW)
@@ -164,8 +167,6 @@ def test_tensor_parallel_readers_each_read_a_held_batch_whole(client4):
         with pytest.raises(atoll.InvalidInput, match="tensor-parallel job returns tensors, not remote values"):
             held.forward(handles[0][0], keep=True)  # its logits are joined from slices
     finally:
-        for x, y in handles:
-            x.free()
-            y.free()
+        _free(handles)
         held.close()
         sent.close()
