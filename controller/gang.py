@@ -161,18 +161,20 @@ class Gang:
     def send_step(self, job: Job, seq: int, request: pb.StepRequest, mode: str):
         """Send step ``seq`` to every worker of the job, in gang order; the caller waits for the
         replies and then calls ``leave(job)``."""
-        input_refs = self.values.resolve(request.input_refs)
-        target_refs = self.values.resolve(request.target_refs)
-        own, common = _step_requests(job, seq, request, mode, input_refs, target_refs)
+        own, common = _step_requests(job, seq, request, mode, *self._holders(request))
         calls = [Call(w, "RunStep", own.get(i, common)) for i, w in enumerate(job.workers)]
         return self._through_gate(job, calls, 1, job.dispatch_mode, common)
 
     def send_steps(self, job: Job, first: int, requests: list[pb.StepRequest], modes: list[str]):
         """Send steps ``first``, ``first + 1``, ... (none keeps its output) as one RunSteps per
         worker, in one gang position each; the replies are RunStepsReply, in worker order."""
-        refs = [(self.values.resolve(r.input_refs), self.values.resolve(r.target_refs)) for r in requests]
+        refs = [self._holders(r) for r in requests]
         calls = [Call(w, "RunSteps", c) for w, c in zip(job.workers, _steps_calls(job, first, requests, modes, refs))]
         return self._through_gate(job, calls, len(requests))
+
+    def _holders(self, request: pb.StepRequest) -> tuple[list, list]:
+        """A step's remote inputs and targets with their holders' current addresses."""
+        return self.values.resolve(request.input_refs), self.values.resolve(request.target_refs)
 
     def _through_gate(self, job: Job, calls: list[Call], steps: int, mode: str = "direct", common=None):
         """Dispatch ``calls`` (``steps`` of the job's steps) once the fair gate lets them go: fair

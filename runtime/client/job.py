@@ -149,17 +149,8 @@ class Job:
             # whole into the call's message, its batch's bytes too (a 4-step call of 1 MiB steps:
             # 7.8 ms of the client's CPU, against 12.2 with both copies)
             request = pb.StepsRequest()
-            for seq, ((inputs, input_values, input_at), (targets, target_values, target_at)) in enumerate(sent, first):
-                request.steps.add(
-                    job_id=self.id,
-                    seq=seq,
-                    mode="train",
-                    input_refs=[v.ref for v in input_values],
-                    target_refs=[v.ref for v in target_values],
-                    input_ref_at=input_at,
-                    target_ref_at=target_at,
-                    **self._batch(seq, inputs, targets, postable=not (input_values or target_values)),
-                )
+            for seq, (input, target) in enumerate(sent, first):
+                request.steps.add(job_id=self.id, seq=seq, mode="train", **self._batch(seq, input, target))
             call = StepCall(self._client._endpoint, "Steps", request, self._client.step_timeout_s * len(sent))
             steps = [StepFuture(self, call, "train", (*i[1], *t[1]), index=n) for n, (i, t) in enumerate(sent)]
             self._pending += steps
@@ -199,38 +190,42 @@ class Job:
         """Send one step; ``wait``: its caller waits for it at once, so the call is made in this
         thread and returns answered (atoll.client.calls.StepCall), holding the job's lock until
         then: a step sent from another thread meanwhile goes out after it, as it would run."""
-        inputs, input_values, input_at = _batch(input, "input")
-        targets, target_values, target_at = ([], (), []) if target is None else _batch(target, "target")
+        input = _batch(input, "input")
+        target = ([], (), []) if target is None else _batch(target, "target")
         self._wait_for_window()
         with self._lock:
-            plain = not (input_values or target_values)  # remote values' holders are named at dispatch
+            seq = self._next_seq
             request = pb.StepRequest(
-                job_id=self.id,
-                input_refs=[v.ref for v in input_values],
-                target_refs=[v.ref for v in target_values],
-                input_ref_at=input_at,
-                target_ref_at=target_at,
-                keep_outputs=keep,
-                seq=self._next_seq,
-                mode=mode,
-                **self._batch(self._next_seq, inputs, targets, postable=plain),
+                job_id=self.id, keep_outputs=keep, seq=seq, mode=mode, **self._batch(seq, input, target)
             )
             self._next_seq += 1
             call = StepCall(self._client._endpoint, "Step", request, self._client.step_timeout_s, wait)
-            step = StepFuture(self, call, mode, (*input_values, *target_values))
+            step = StepFuture(self, call, mode, (*input[1], *target[1]))
             self._pending.append(step)  # _wait_for_window just dropped the finished ones
         return step
 
-    def _batch(self, seq: int, inputs, targets, postable: bool = True) -> dict:
-        """Step ``seq``'s batch fields: its tensors, or their specs once the tensors are posted to
-        the workers that read them (``direct_batch_bytes``); call holding the lock, so posts and
-        steps go out in step order."""
+    def _batch(self, seq: int, input, target) -> dict:
+        """Step ``seq``'s StepRequest fields for its input and target (each as module ``_batch``
+        gives it): the remote values it names and where they sit among the tensors, and its
+        tensors, or their specs once the tensors are posted to the workers that read them
+        (``direct_batch_bytes``; never beside remote values, whose holders are named at dispatch).
+        Call holding the lock, so posts and steps go out in step order."""
+        (inputs, input_values, input_at), (targets, target_values, target_at) = input, target
+        fields = {
+            "input_refs": [v.ref for v in input_values],
+            "target_refs": [v.ref for v in target_values],
+            "input_ref_at": input_at,
+            "target_ref_at": target_at,
+            "inputs": inputs,
+            "targets": targets,
+        }
         nbytes = sum(len(t["data"]) for t in (*inputs, *targets))
+        postable = not (input_values or target_values)
         if postable and self.direct_batch_bytes is not None and nbytes >= self.direct_batch_bytes:
             inputs, targets = [pb.TensorData(**t) for t in inputs], [pb.TensorData(**t) for t in targets]
             if self._poster.post(seq, inputs, targets):
-                return {"inputs": specs_only(inputs), "targets": specs_only(targets), "direct": True}
-        return {"inputs": inputs, "targets": targets}
+                fields.update(inputs=specs_only(inputs), targets=specs_only(targets), direct=True)
+        return fields
 
     DIRECT_BATCH_BYTES = 2 << 20
     """Default ``direct_batch_bytes``: below it a step's one message through the controller costs

@@ -171,6 +171,15 @@ def shard_rows(msg: pb.TensorData, index: int, parts: int) -> pb.TensorData:
     return pb.TensorData(dtype=msg.dtype, shape=[rows, *msg.shape[1:]], data=data)
 
 
+def replica_rows(t: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Rows ``index``/``parts`` of a tensor's first dimension, cut as ``shard_rows`` cuts a
+    message's bytes (a view); ``t`` itself when ``parts`` is 1 or less."""
+    if parts <= 1:
+        return t
+    rows = t.shape[0] // parts
+    return t[index * rows : (index + 1) * rows]
+
+
 def join_rows(parts: list) -> list[pb.TensorData]:
     """The inverse of ``shard_rows``, per tensor: each list of ``parts`` holds the same tensors."""
     if len(parts) == 1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.core.wire import interleave, tensor_from_pb
+from atoll.core.wire import interleave, replica_rows, tensor_from_pb
 from atoll.worker.inbox import BatchInbox
 
 
@@ -47,8 +47,9 @@ def take(
         pulled_targets = [pull(r, timeout_s) for r in request.target_refs]
         refs = (*request.input_refs, *request.target_refs)
         pulled = sum(t.nbytes for r, t in zip(refs, (*pulled_inputs, *pulled_targets)) if r.address != here)
-        pulled_inputs = [_replica_rows(t, request) for t in pulled_inputs]
-        pulled_targets = [_replica_rows(t, request) for t in pulled_targets]
+        # a data-parallel reader keeps its replica's rows of what it pulled, as of what it is sent
+        pulled_inputs = [replica_rows(t, request.ref_replica, request.ref_replicas) for t in pulled_inputs]
+        pulled_targets = [replica_rows(t, request.ref_replica, request.ref_replicas) for t in pulled_targets]
         posted_bytes = 0
         if request.direct:  # the client posted the rows here; the request names their specs
             posted = inbox.take(request.job_id, request.step, timeout_s).checked(request)
@@ -61,12 +62,3 @@ def take(
     except Exception as e:
         return StepBatch(error=e)
     return StepBatch(inputs, targets, control_bytes, pulled, posted_bytes)
-
-
-def _replica_rows(tensor: torch.Tensor, request: pb.RunStepRequest) -> torch.Tensor:
-    """A data-parallel reader's rows of a value it pulled, cut as the controller cuts the tensors
-    it sends (atoll.core.wire.shard_rows); the whole value for a job of one replica."""
-    if request.ref_replicas <= 1:
-        return tensor
-    rows = tensor.shape[0] // request.ref_replicas
-    return tensor[request.ref_replica * rows : (request.ref_replica + 1) * rows]
