@@ -5,8 +5,9 @@
     python bench/pipeline.py --model mlp --ranks 2 --batch 256   # the MLP job at 2 stages
     python bench/pipeline.py --device cuda        # 4 workers on one GPU vs one process on it
 
-Schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV, each run by atoll and by torch's own
-class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per rank). ``best``
+Schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZBV and DualPipeV, each run by atoll and
+by torch's own class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per rank;
+torch has no ZB-H2, so its row runs torch's ZB-H1, named in ``torch_schedule``). ``best``
 compares each side's fastest schedule, as a user picking one would. ``auto`` (atoll alone: torch
 has no such schedule) reports what ``schedule="auto"`` chose after calibrating, its predicted step
 time against the measured one, and the measured rate of each candidate the run also measured. On CPU each row also gives
@@ -92,6 +93,9 @@ TORCH_SCHEDULES = {
 }
 MULTI_STAGE = {"interleaved_1f1b", "zb_h1", "zbv", "dualpipev"}
 """torch's schedules that take a list of stages (one for ZB-H1)."""
+TORCH_NEAREST = {"zb_h2": "zb_h1"}
+"""What torch runs beside an atoll schedule it does not ship: ZB-H2's row measures torch's ZB-H1
+(ZB-H2 is ZB-H1 given more memory)."""
 MLP_WIDTH, MLP_BLOCKS, MLP_OUT = 1024, 8, 16
 
 
@@ -406,7 +410,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     if args.device == "cuda":
         peer, name, steps_key = SingleGpuSide(model, batches, args), "single_gpu", "single_gpu_steps_per_s"
     else:
-        peer = TorchSide(args, schedule, virtual, atoll.stage_blocks)
+        peer = TorchSide(args, TORCH_NEAREST.get(schedule, schedule), virtual, atoll.stage_blocks)
         name, steps_key = "torch", "torch_pipelining_steps_per_s"
     cpu = CpuMeter(atoll_pids), CpuMeter({f"rank{r}": p.pid for r, p in enumerate(getattr(peer, "procs", []))})
     limit, limits = None, []  # on CPU: the physical limit, measured in every round beside the rates
@@ -466,6 +470,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         row[f"ratio_{side}_over_{name}"] = round(median([r[side] / r["peer"] for r in rounds]), 3)
         row[per_round] = [round(r[side] / r["peer"], 3) for r in rounds]
     if args.device == "cpu":
+        row["torch_schedule"] = TORCH_NEAREST.get(schedule, schedule)
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         for i, key in enumerate(("atoll_compute_ms_per_microbatch_per_rank", "atoll_optimizer_ms_per_step_per_rank")):
             row[key] = [round(median([w[r][i] for w in work]) * 1e3, 2) for r in range(args.ranks)]
@@ -517,53 +522,63 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     against the measured one, and every candidate measured beside it: all loaded at once and
     run in turn, a round of each per round, so that the machine's drift (tens of percent over
     minutes on a busy 2-core machine) falls on all alike; the rows above were measured minutes
-    apart and are listed as they were. The chosen schedule's measured step is the median of
-    both its copies' rounds (the auto job's own is given beside it)."""
+    apart and are listed as they were. Each candidate runs its rounds two ways: several steps to
+    a call (``--steps-per-call``, back to back, as training runs and as the choice predicts
+    them) and one step at a time, each waited for (as the calibration ran them; the keys ending
+    ``_lone``), against the prediction of a step on its own. The chosen schedule's
+    measured step is the median of both its copies' rounds (the auto job's own beside it)."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)
     choice = atoll.job.plan.report["schedule_choice"]
     predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
+    lone = {c["schedule"]: c["predicted_lone_step_s"] for c in choice["candidates"]}
     sides = {"auto": atoll}
     try:
         for name in predicted:
             sides[name] = AtollSide(client, model, batches, args, name, 1)
-        rates: dict[str, list[float]] = {name: [] for name in sides}
+        together: dict[str, list[float]] = {name: [] for name in sides}
+        waited: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name, side in sides.items():
-                rates[name].append(side.run(args.steps)[0])
+                together[name].append(side.run(args.steps, per_call=args.steps_per_call)[0])
+                waited[name].append(side.run(args.steps)[0])
     finally:
         for side in sides.values():
             side.close()
-    beside = {name: round(median(r), 3) for name, r in rates.items() if name != "auto"}
     chosen = choice["chosen"]
-    # The chosen schedule ran twice (the auto job and its copy among the candidates): both its
-    # measurements count for it, against its prediction and against each other candidate, so
-    # the check compares schedules; the two copies' gap (same schedule, same machine, same
-    # rounds) shows the noise both are read against.
-    chosen_rate = median(rates["auto"] + rates[chosen])
-    auto_rate = median(rates["auto"])
-    others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
-    row = {
-        "chosen": chosen,
-        "why": choice["why"],
-        "predicted_step_s": round(predicted[chosen], 5),
-        "measured_step_s": round(1 / chosen_rate, 5),
-        "predicted_over_measured": round(predicted[chosen] * chosen_rate, 3),
-        "predicted_over_measured_auto_job_alone": round(predicted[chosen] * auto_rate, 3),
-        "predicted_step_s_by_candidate": {k: round(v, 5) for k, v in predicted.items()},
-        "measured_steps_per_s_by_candidate_in_turn": beside,
-        "measured_steps_per_s_by_candidate_in_rows": {
-            r["schedule"]: r["atoll_steps_per_s"] for r in rows if r["schedule"] in predicted
-        },
-        # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
-        "chosen_vs_fastest_measured": round(chosen_rate / max([chosen_rate, *others]), 3),
-        "auto_job_vs_same_schedule_beside": round(auto_rate / median(rates[chosen]), 3),
-    }
+    row = {"chosen": chosen, "why": choice["why"]}
+    for sfx, rates, prediction, in_rows in (
+        ("", together, predicted, "atoll_per_call_steps_per_s"),
+        ("_lone", waited, lone, "atoll_steps_per_s"),
+    ):
+        # The chosen schedule ran twice (the auto job and its copy among the candidates): both
+        # its measurements count for it, against its prediction and against each other
+        # candidate, so the check compares schedules; the two copies' gap (same schedule, same
+        # machine, same rounds) shows the noise both are read against.
+        chosen_rate = median(rates["auto"] + rates[chosen])
+        auto_rate = median(rates["auto"])
+        others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
+        row |= {
+            f"predicted_step_s{sfx}": round(prediction[chosen], 5),
+            f"measured_step_s{sfx}": round(1 / chosen_rate, 5),
+            f"predicted_over_measured{sfx}": round(prediction[chosen] * chosen_rate, 3),
+            f"predicted_over_measured_auto_job_alone{sfx}": round(prediction[chosen] * auto_rate, 3),
+            f"predicted_step_s_by_candidate{sfx}": {k: round(v, 5) for k, v in prediction.items()},
+            f"measured_steps_per_s_by_candidate_in_turn{sfx}": {
+                name: round(median(r), 3) for name, r in rates.items() if name != "auto"
+            },
+            f"measured_steps_per_s_by_candidate_in_rows{sfx}": {
+                r["schedule"]: r[in_rows] for r in rows if r["schedule"] in predicted
+            },
+            # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
+            f"chosen_vs_fastest_measured{sfx}": round(chosen_rate / max([chosen_rate, *others]), 3),
+            f"auto_job_vs_same_schedule_beside{sfx}": round(auto_rate / median(rates[chosen]), 3),
+        }
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zbv,dualpipev,auto")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zb_h2,zbv,dualpipev,auto")
     parser.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="mlp: 8 x Linear(1024, 1024) + GELU")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
@@ -624,7 +639,7 @@ def main() -> None:
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         torch_rate = theirs["torch_pipelining_steps_per_s"]
-        best = {"torch": {"schedule": theirs["schedule"], "steps_per_s": torch_rate}}
+        best = {"torch": {"schedule": theirs["torch_schedule"], "steps_per_s": torch_rate}}
         for side in ATOLL_SIDES:  # each of atoll's ways at its own fastest schedule
             ours = max(rows, key=lambda r: r[f"{side}_steps_per_s"])
             best[side] = {"schedule": ours["schedule"], "steps_per_s": ours[f"{side}_steps_per_s"]}

@@ -24,16 +24,22 @@ def _costs(f: float, i: float, w: float) -> dict[str, float]:
 
 
 def test_auto_keeps_the_fastest_candidate_and_says_why():
-    # equal halves: the weight halves fill 1F1B's bubbles, so ZB-H1 is predicted fastest
+    # equal halves: the weight halves fill 1F1B's bubbles, so ZB-H1 is predicted faster than 1F1B;
+    # ZB-H2's steps follow each other with none left (3 x 4 microbatches), so it is the fastest
     compiled = _compile(schedule_costs=_costs(1.0, 1.0, 1.0))
     choice = compiled.schedule_choice
-    assert compiled.topology.schedule == choice.chosen == "zb_h1" and choice.costs == "measured"
+    assert compiled.topology.schedule == choice.chosen == "zb_h2" and choice.costs == "measured"
     steps = {c.schedule: c.predicted_step_s for c in choice.candidates}
-    assert set(steps) == {"gpipe", "1f1b", "zb_h1"}
-    assert steps["zb_h1"] == min(steps.values()) < steps["1f1b"]
-    assert choice.why.startswith("zb_h1: the shortest predicted step") and "ahead of 1f1b" in choice.why
+    assert set(steps) == {"gpipe", "1f1b", "zb_h1", "zb_h2"}
+    assert steps["zb_h2"] == 12.0 == min(steps.values()) < steps["zb_h1"] < steps["1f1b"]
+    by_name = {c.schedule: c for c in choice.candidates}
+    assert by_name["zb_h2"].predicted_bubble_fraction == 0.0
+    # a step on its own keeps its fill and drain; only ZB-H2's tail hides the next step's head
+    assert by_name["zb_h2"].predicted_lone_step_s > 12.0
+    assert by_name["zb_h1"].predicted_lone_step_s == steps["zb_h1"]
+    assert choice.why.startswith("zb_h2: the shortest predicted step") and "ahead of zb_h1" in choice.why
     report = compiled.report()
-    assert report["schedule"] == "zb_h1" and report["schedule_choice"]["chosen"] == "zb_h1"
+    assert report["schedule"] == "zb_h2" and report["schedule_choice"]["chosen"] == "zb_h2"
     assert any(a.endswith("W0") for a in report["actions"]["0"])  # the plan runs what was chosen
 
 
@@ -98,15 +104,15 @@ def test_auto_calibrates_on_the_workers_and_trains_as_one_process(client4):
 
 
 def test_calibration_measures_every_candidate_under_its_own_order():
-    """The copies the client loads: one per candidate, so 1F1B's and GPipe's B and ZB-H1's I and
-    W are each measured as their schedule runs them; no split schedule where the split is
-    refused; for two chunks per worker, ZBV, DualPipeV and interleaved 1F1B."""
+    """The copies the client loads: one per candidate, so 1F1B's and GPipe's B and ZB-H1's and
+    ZB-H2's I and W are each measured as their schedule runs them; no split schedule where the
+    split is refused; for two chunks per worker, ZBV, DualPipeV and interleaved 1F1B."""
     from atoll.client.calibrate import calibration_configs
 
     def schedules(**config):
         return [c.schedule for c in calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", **config))]
 
-    assert schedules() == ["1f1b", "zb_h1", "gpipe"]
+    assert schedules() == ["1f1b", "zb_h1", "zb_h2", "gpipe"]
     assert schedules(rematerialize=True) == ["1f1b", "gpipe"]
     assert schedules(virtual_stages=2) == ["zbv", "dualpipev", "interleaved_1f1b"]
     copy = calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_resume=True))[0]

@@ -1,11 +1,12 @@
-"""Zero-bubble schedules, ZB-H1, ZBV and DualPipeV (backwards split into an input half I and a weight half W), against
-the single-process reference: every loss within 1e-5 in float32, every loss and weight within
-1e-5 in float64 (AdamW), on a chain, a model with a skip edge and one with tied weights; the
-plan's predicted memory against what each worker counted."""
+"""Zero-bubble schedules, ZB-H1, ZB-H2, ZBV and DualPipeV (backwards split into an input half I
+and a weight half W), against the single-process reference: every loss within 1e-5 in float32,
+every loss and weight within 1e-5 in float64 (AdamW), on a chain, a model with a skip edge and one
+with tied weights; the plan's predicted memory against what each worker counted."""
 
 import pytest
 
 from atoll.core import linear_grads
+from atoll.core.names import V_SCHEDULES
 from atoll.errors import InvalidInput
 from tests import models
 from tests.reference import assert_losses_match, assert_matches_reference, train_reference
@@ -35,14 +36,20 @@ def _memory_matches(job, exact_last: bool) -> None:
             assert abs(predicted["total"] - measured) <= 0.01 * measured, f"rank {rank}"
 
 
-CASES = [(s, m) for s in ("zb_h1", "zbv", "dualpipev") for m in MODELS if (s, m) != ("dualpipev", models.mlp)]
-"""DualPipeV's chain case is left out: its skip-edge and tied-weight cases hold a chain and more."""
+CASES = [
+    (s, m)
+    for s in ("zb_h1", "zb_h2", "zbv", "dualpipev")
+    for m in MODELS
+    if m is not models.mlp or s in ("zb_h1", "zbv")
+]
+"""ZB-H2's and DualPipeV's chain cases are left out: their skip-edge and tied-weight cases hold a
+chain and more."""
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(("schedule", "make"), CASES, ids=[f"{s}-{m.__name__}" for s, m in CASES])
 def test_zero_bubble_matches_single_process(client4, schedule, make):
-    """ZB-H1 on 4 workers (4 stages); ZBV on 4 workers with 2 chunks each in a V (8 stages: the
+    """ZB-H1 and ZB-H2 on 4 workers (4 stages); ZBV on 4 workers with 2 chunks each in a V (8 stages: the
     first and last share worker 0, the turn of the V is a local hand-off on worker 3); DualPipeV
     on 2 workers in a V (4 stages, as many as the microbatches it needs), its steady phase full
     backwards beside forwards and its edges split ones."""
@@ -51,7 +58,7 @@ def test_zero_bubble_matches_single_process(client4, schedule, make):
         "stages": ranks,
         "microbatches": 4,
         "schedule": schedule,
-        "virtual_stages": 1 if schedule == "zb_h1" else 2,
+        "virtual_stages": 2 if schedule in V_SCHEDULES else 1,
     }
     model, batches, loss_fn = make()
     job, losses, _ = run_pipeline(client4, model, batches, loss_fn, optimizer="adamw", optimizer_args=ADAMW, **settings)
@@ -62,7 +69,7 @@ def test_zero_bubble_matches_single_process(client4, schedule, make):
         assert {"3I0", "3W0", "3B1", "0B0", "0I2", "0W2"} <= set(first)
     else:
         assert "0I0" in first and "0W0" in first and "0B0" not in first
-    if schedule != "zb_h1":
+    if schedule in V_SCHEDULES:
         assert [s["rank"] for s in job.plan.report["stages"]] == [*range(ranks), *reversed(range(ranks))]
         assert any(e["transport"] == "local" for e in job.plan.report["edges"])
     _memory_matches(job, exact_last=make is models.tied_lm)

@@ -7,8 +7,9 @@ measured on the workers when the client calibrated (``JobConfig.schedule_costs``
 stage and kind: computes, and the optimizer step and the posting of transfers as measured; each
 candidate's own where it was calibrated under its own order, ``costs_for``), else
 in units of the stages' forward FLOPs (a backward twice its forward, each half of a split one
-once). The time data spends on the wire is not simulated. The report lists each
-candidate's predicted step time and why the choice won.
+once), two steps back to back less one (``simulate.steady_step``: how training sends its steps).
+The time data spends on the wire is not simulated. The report lists each candidate's predicted
+step time (and that of a step on its own) and why the choice won.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from atoll.controller.compiler.lowering import lower
 from atoll.controller.compiler.schedules import build_schedule
-from atoll.controller.compiler.simulate import simulate
+from atoll.controller.compiler.simulate import steady_step
 from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
@@ -34,9 +35,13 @@ EQUAL = 1e-9
 class Candidate:
     schedule: str
     predicted_step_s: float
-    """The simulated step's makespan at the costs, plus the measured step overhead (in forward-FLOP
-    units without measured costs)."""
+    """The simulated step at the costs as it runs after another (simulate.steady_step: steps
+    sent together or ahead, as training runs them), plus the measured step overhead (in
+    forward-FLOP units without measured costs). The choice is made on it."""
     predicted_bubble_fraction: float
+    predicted_lone_step_s: float
+    """A step on its own (``job.step`` waits for each, as the calibration's steps ran), plus the
+    same overhead: longer where one step's tail would hide the next one's head (ZB-H2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +104,8 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
         overhead = float(costs.get(STEP_OVERHEAD_COST, 0.0))
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
-        timeline = simulate(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
-        rows.append(Candidate(name, timeline.makespan + overhead, timeline.bubble_fraction))
+        steady = steady_step(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
+        rows.append(Candidate(name, steady.step + overhead, steady.bubble_fraction, steady.lone + overhead))
     # the fastest, however narrowly; of equal ones (to float rounding) the one listed first (the
     # fewer stashed microbatches). A 2% margin that gave near-ties to the one listed first chose,
     # in one bench run, 1F1B predicted 1.7% behind ZB-H1 and measured 9% behind it

@@ -14,6 +14,14 @@ torch.distributed.pipelining executes for the same sizes (tests compare them):
   for: rank r runs P - r forwards, then F and I alternately, and starts its W's r steps late, so
   they fill the bubbles 1F1B leaves at the end of a step; memory stays 1F1B's. The order is
   torch.distributed.pipelining's ScheduleInterleavedZeroBubble at one stage per rank.
+- ZB-H2 (Qi et al. 2024, section 3.1): ZB-H1 given more memory. Rank r runs 2(P - r) - 1
+  forwards before its first input gradient (ZB-H1: P - r) and starts its W's 2r microbatches
+  late, so the step's layout turns from ZB-H1's trapezoid into a parallelogram: rank r starts r
+  forwards after rank 0 and ends about as much after it, and at equal F, I and W costs a step
+  that follows another has no bubble (tests/test_schedules.py simulates it). Each rank's
+  optimizer step waits only for its own weight gradients, so the parallelograms of successive
+  steps fit into each other. It stashes up to 2(P - r) - 1 microbatches, about twice ZB-H1's.
+  torch ships no ZB-H2; the order is atoll's rule for the paper's handcrafted shape.
 - ZBV (Qi et al. 2024, section 6): two chunks per rank placed in a V (rank r holds stage r and
   stage 2P - 1 - r, so the first and last stages share rank 0 and the turn of the V is a local
   hand-off on rank P - 1), with split backwards; each rank warms up on its down chunk, then runs
@@ -89,22 +97,29 @@ def _interleaved_rank(topo: Topology, r: int) -> list[Action]:
 
 def zb_h1(topo: Topology) -> Schedule:
     S, M = topo.ranks, topo.microbatches
-    order: Schedule = {}
-    for r in range(S):
-        warmup = min(S - 1 - r, M)
-        ops = [F(r, m) for m in range(warmup)]
-        next_f, next_w = warmup, 0
-        for m in range(M):  # a forward while any is left, an input gradient, and from the r-th on a weight one
-            if next_f < M:
-                ops.append(F(r, next_f))
-                next_f += 1
-            ops.append(I(r, m))
-            if m >= r:
-                ops.append(W(r, next_w))
-                next_w += 1
-        ops += [W(r, m) for m in range(next_w, M)]
-        order[r] = ops
-    return order
+    return {r: _split_1f1b(r, M, warmup=min(S - 1 - r, M), weight_lag=r) for r in range(S)}
+
+
+def zb_h2(topo: Topology) -> Schedule:
+    S, M = topo.ranks, topo.microbatches
+    return {r: _split_1f1b(r, M, warmup=min(2 * (S - 1 - r), M), weight_lag=2 * r) for r in range(S)}
+
+
+def _split_1f1b(r: int, M: int, warmup: int, weight_lag: int) -> list[Action]:
+    """Rank (and stage) ``r``: ``warmup`` forwards, then per microbatch a forward while any is
+    left and an input gradient, and from the ``weight_lag``-th on a weight gradient; the weight
+    gradients still owed at the end."""
+    ops = [F(r, m) for m in range(warmup)]
+    next_f, next_w = warmup, 0
+    for m in range(M):
+        if next_f < M:
+            ops.append(F(r, next_f))
+            next_f += 1
+        ops.append(I(r, m))
+        if m >= weight_lag:
+            ops.append(W(r, next_w))
+            next_w += 1
+    return ops + [W(r, m) for m in range(next_w, M)]
 
 
 def zbv(topo: Topology) -> Schedule:
@@ -216,6 +231,7 @@ BUILDERS: dict[str, Callable[[Topology], Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
+    "zb_h2": zb_h2,
     "zbv": zbv,
     "dualpipev": dualpipev,
 }

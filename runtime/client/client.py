@@ -86,10 +86,11 @@ class Client(Connection):
         ``example_input``/``example_target`` are one full batch of the
         shapes later given to ``Job.step``. ``schedule`` is "gpipe", "1f1b", "zb_h1" (1F1B
         with each backward split into its input and weight halves, the weight halves filling the
-        bubbles: zero bubble, Qi et al.), "interleaved_1f1b" (with ``virtual_stages`` model chunks
-        per worker), "zbv" (``virtual_stages=2``, in a V, with split backwards), "dualpipev"
-        (``virtual_stages=2``, ZBV's V in DeepSeek's DualPipe order, at least as many microbatches
-        as stages) or "auto": a short
+        bubbles: zero bubble, Qi et al.), "zb_h2" (ZB-H1 with about twice its stashed
+        microbatches, so that steps sent together leave no bubble), "interleaved_1f1b" (with
+        ``virtual_stages`` model chunks per worker), "zbv" (``virtual_stages=2``, in a V, with
+        split backwards), "dualpipev" (``virtual_stages=2``, ZBV's V in DeepSeek's DualPipe
+        order, at least as many microbatches as stages) or "auto": a short
         calibration (a few steps of throw-away copies on the example batch) measures each stage's
         forward and backward on the workers, the compiler simulates every schedule that runs
         ``virtual_stages`` chunks per worker at those costs and keeps the fastest; the plan's

@@ -1,16 +1,16 @@
 """The one list of each kind of name a setting takes. The compiler, the worker, the CLI and the docs
 read these; nothing is imported here, so the CLI's parser can use them and stay light."""
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv", "dualpipev")
 """Pipeline schedules (controller/compiler/schedules.py builds one per name)."""
-SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1", "zb_h2", "zbv", "dualpipev")
 """The schedules that split backwards into their input- and weight-gradient halves."""
 V_SCHEDULES = ("zbv", "dualpipev")
 """The schedules that place two chunks per rank in a V (rank r: stages r and 2 * ranks - 1 - r)."""
-AUTO_CANDIDATES = {1: ("1f1b", "zb_h1", "gpipe"), 2: ("zbv", "dualpipev", "interleaved_1f1b")}
+AUTO_CANDIDATES = {1: ("1f1b", "zb_h1", "zb_h2", "gpipe"), 2: ("zbv", "dualpipev", "interleaved_1f1b")}
 """schedule="auto" picks among the schedules that run the job's ``virtual_stages`` chunks per
-worker; of two predicted equally fast, the one listed first (1F1B stashes fewer microbatches than
-GPipe)."""
+worker; of two predicted equally fast, the one listed first (1F1B and ZB-H1 stash fewer
+microbatches than ZB-H2 and GPipe)."""
 STEP_OVERHEAD_COST = "step_overhead_s"
 """In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
 simulated actions (the control path, measured at calibration), added to the candidate's step."""
