@@ -355,11 +355,11 @@ def test_dualpipev_runs_every_backward_once_in_torch_order(ranks, microbatches):
 
 
 def test_zb_h2_golden():
-    """ZB-H2 at 2 ranks: rank 0 runs 3 forwards before its first input half (ZB-H1: 2), rank 1
-    starts its weight halves 2 microbatches late (ZB-H1: 1)."""
+    """ZB-H2 at 2 ranks: rank 0 runs 3 forwards before its first input half (ZB-H1: 2), the last
+    rank starts its weight halves 3 microbatches late (2r, and one more on the last rank; ZB-H1: 1)."""
     order = {r: " ".join(map(str, acts)) for r, acts in build_schedule(topology("zb_h2", 2, 4)).items()}
     assert order[0] == "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3"
-    assert order[1] == "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3"
+    assert order[1] == "1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0 1W1 1W2 1W3"
     h1 = {r: " ".join(map(str, acts)) for r, acts in build_schedule(topology("zb_h1", 2, 4)).items()}
     assert h1[0] == "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3"
     assert h1[1] == "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3"
@@ -384,3 +384,6 @@ def test_zb_h2_steps_back_to_back_have_no_bubble_at_equal_costs(ranks, microbatc
     for r, acts in build_schedule(topology("zb_h2", ranks, microbatches)).items():
         first_input_half = next(i for i, a in enumerate(acts) if a.kind is Kind.BACKWARD_INPUT)
         assert first_input_half == min(2 * (ranks - r) - 1, microbatches)
+        first_weight_half = next(i for i, a in enumerate(acts) if a.kind is Kind.BACKWARD_WEIGHT)
+        input_halves_before = sum(a.kind is Kind.BACKWARD_INPUT for a in acts[:first_weight_half])
+        assert input_halves_before == min(2 * r + 1 + (r == ranks - 1), microbatches)
