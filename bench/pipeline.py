@@ -522,10 +522,12 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     against the measured one, and every candidate measured beside it: all loaded at once and
     run in turn, a round of each per round, so that the machine's drift (tens of percent over
     minutes on a busy 2-core machine) falls on all alike; the rows above were measured minutes
-    apart and are listed as they were. Each candidate runs its rounds two ways: several steps to
-    a call (``--steps-per-call``, back to back, as training runs and as the choice predicts
-    them) and one step at a time, each waited for (as the calibration ran them; the keys ending
-    ``_lone``), against the prediction of a step on its own. The chosen schedule's
+    apart and are listed as they were. Each candidate runs its rounds two ways: one step at a
+    time, each waited for, as the calibration ran them, against the prediction of a step on its
+    own (its simulated makespan plus the overhead the calibration measured: like against like),
+    and several steps to a call (``--steps-per-call``, as training runs them; the keys ending
+    ``_back_to_back``) against the prediction the choice is made on (the simulated step after
+    another, plus the same overhead, part of which the calls hide: it reads long by that). The chosen schedule's
     measured step is the median of both its copies' rounds (the auto job's own beside it)."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)
     choice = atoll.job.plan.report["schedule_choice"]
@@ -547,8 +549,8 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     chosen = choice["chosen"]
     row = {"chosen": chosen, "why": choice["why"]}
     for sfx, rates, prediction, in_rows in (
-        ("", together, predicted, "atoll_per_call_steps_per_s"),
-        ("_lone", waited, lone, "atoll_steps_per_s"),
+        ("", waited, lone, "atoll_steps_per_s"),
+        ("_back_to_back", together, predicted, "atoll_per_call_steps_per_s"),
     ):
         # The chosen schedule ran twice (the auto job and its copy among the candidates): both
         # its measurements count for it, against its prediction and against each other

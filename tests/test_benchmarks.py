@@ -83,7 +83,7 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
     candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
     assert auto["chosen"] in candidates
-    rows = {"": "atoll_per_call_steps_per_s", "_lone": "atoll_steps_per_s"}  # steps to a call; each waited for
+    rows = {"": "atoll_steps_per_s", "_back_to_back": "atoll_per_call_steps_per_s"}  # each waited for; to a call
     for sfx, in_rows in rows.items():
         assert set(auto[f"predicted_step_s_by_candidate{sfx}"]) == candidates and auto[f"measured_step_s{sfx}"] > 0
         assert auto[f"predicted_over_measured{sfx}"] == pytest.approx(
@@ -94,8 +94,8 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert set(in_turn) == candidates and min(in_turn.values()) > 0
         assert 0 < auto[f"chosen_vs_fastest_measured{sfx}"] <= 1 and auto[f"auto_job_vs_same_schedule_beside{sfx}"] > 0
     # a step on its own is never predicted shorter than one after another
-    for name, step in auto["predicted_step_s_by_candidate"].items():
-        assert auto["predicted_step_s_by_candidate_lone"][name] >= step
+    for name, step in auto["predicted_step_s_by_candidate_back_to_back"].items():
+        assert auto["predicted_step_s_by_candidate"][name] >= step
 
 
 def test_dispatch_benchmarks_simulated_workers_register_load_and_step():
