@@ -83,8 +83,8 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
     candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
     assert auto["chosen"] in candidates
-    rows = {"": "atoll_steps_per_s", "_back_to_back": "atoll_per_call_steps_per_s"}  # each waited for; to a call
-    for sfx, in_rows in rows.items():
+    row_rates = {"": "atoll_steps_per_s", "_back_to_back": "atoll_per_call_steps_per_s"}  # waited for; to a call
+    for sfx, in_rows in row_rates.items():
         assert set(auto[f"predicted_step_s_by_candidate{sfx}"]) == candidates and auto[f"measured_step_s{sfx}"] > 0
         assert auto[f"predicted_over_measured{sfx}"] == pytest.approx(
             auto[f"predicted_step_s{sfx}"] / auto[f"measured_step_s{sfx}"], rel=1e-2, abs=1e-3
