@@ -527,7 +527,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     own (its simulated makespan plus the overhead the calibration measured: like against like),
     and several steps to a call (``--steps-per-call``, as training runs them; the keys ending
     ``_back_to_back``) against the prediction the choice is made on (the simulated step after
-    another, plus the same overhead, part of which the calls hide: it reads long by that). The
+    another, plus the overhead less its round trip outside the workers' step, which calls hide). The
     chosen schedule's measured step is the median of both its copies' rounds (the auto job's own
     beside it)."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)

@@ -95,6 +95,9 @@ def test_auto_calibrates_on_the_workers_and_trains_as_one_process(client4):
         choice = job.plan.report["schedule_choice"]
         assert choice["costs"] == "measured" and job.plan.report["schedule"] == choice["chosen"]
         assert all(c["predicted_step_s"] > 0 for c in choice["candidates"])
+        # measured on the real workers: a step waited for costs its round trip on top of a step
+        # back to back, beside what its tail may hide
+        assert all(c["predicted_lone_step_s"] >= c["predicted_step_s"] for c in choice["candidates"])
         losses = [job.step(a, b) for a, b in batches]
     finally:
         job.close()
@@ -138,14 +141,16 @@ def test_each_candidate_is_simulated_at_the_costs_measured_under_it():
 def test_the_measured_step_overhead_is_added_to_every_candidate():
     from atoll.client.calibrate import costs_of
 
-    costs = costs_of({"measured_costs": _costs(1.0, 1.0, 1.0), "predicted_step_s_at_measured_costs": 13.0}, 15.5)
+    summary = {"measured_costs": _costs(1.0, 1.0, 1.0), "predicted_step_s_at_measured_costs": 13.0}
+    costs = costs_of(summary | {"measured_step_window_s": 14.0}, 15.5)
     assert costs["step_overhead_s"] == 2.5  # the calibration step's wall time beyond its simulation
-    plain = {
-        c.schedule: c.predicted_step_s
-        for c in _compile(schedule_costs=_costs(1.0, 1.0, 1.0)).schedule_choice.candidates
-    }
-    loaded = {c.schedule: c.predicted_step_s for c in _compile(schedule_costs=costs).schedule_choice.candidates}
-    assert loaded == {name: step + 2.5 for name, step in plain.items()}
+    assert costs["step_round_trip_s"] == 1.5  # of which outside the workers' first to last action
+    assert costs_of(summary, 15.5)["step_round_trip_s"] == 0.0  # no window measured: none left out
+    plain = _compile(schedule_costs=_costs(1.0, 1.0, 1.0)).schedule_choice.candidates
+    loaded = {c.schedule: c for c in _compile(schedule_costs=costs).schedule_choice.candidates}
+    for c in plain:  # a step on its own pays the whole overhead; back to back, the next step hides the round trip
+        assert loaded[c.schedule].predicted_lone_step_s == c.predicted_lone_step_s + 2.5
+        assert loaded[c.schedule].predicted_step_s == c.predicted_step_s + 1.0
 
 
 class _Copy:

@@ -24,7 +24,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
-from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST, STEP_ROUND_TRIP_COST
 from atoll.errors import InvalidInput
 
 EQUAL = 1e-9
@@ -36,12 +36,13 @@ class Candidate:
     schedule: str
     predicted_step_s: float
     """The simulated step at the costs as it runs after another (simulate.steady_step: steps
-    sent together or ahead, as training runs them), plus the measured step overhead (in
-    forward-FLOP units without measured costs). The choice is made on it."""
+    sent together or ahead, as training runs them), plus the measured step overhead less its
+    round trip, which the next step hides (in forward-FLOP units without measured costs). The
+    choice is made on it."""
     predicted_bubble_fraction: float
     predicted_lone_step_s: float
     """A step on its own (``job.step`` waits for each, as the calibration's steps ran), plus the
-    same overhead: longer where one step's tail would hide the next one's head (ZB-H2)."""
+    whole overhead: longer where one step's tail would hide the next one's head (ZB-H2)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +103,11 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
         costs = costs_for(cfg.schedule_costs, name)
         cost = durations(costs, flops)
         overhead = float(costs.get(STEP_OVERHEAD_COST, 0.0))
+        hidden = float(costs.get(STEP_ROUND_TRIP_COST, 0.0))  # by the next step, sent while one runs
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
         steady = steady_step(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
-        rows.append(Candidate(name, steady.step + overhead, steady.bubble_fraction, steady.lone + overhead))
+        rows.append(Candidate(name, steady.step + overhead - hidden, steady.bubble_fraction, steady.lone + overhead))
     # the fastest, however narrowly; of equal ones (to float rounding) the one listed first (the
     # fewer stashed microbatches). A 2% margin that gave near-ties to the one listed first chose,
     # in one bench run, 1F1B predicted 1.7% behind ZB-H1 and measured 9% behind it

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
     flow_ids = itertools.count(1)
     flows, unmatched = 0, []
     trained: dict[int, float] = {}  # training step -> its compute window's start
+    windows_s: list[float] = []  # each training step's compute window, first action to last
     for step in sorted(by_step):
         spans_of = by_step[step]
         for index, spans in spans_of.items():
@@ -198,6 +200,7 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         for index, spans in spans_of.items():
             busy[index] += _busy(spans, (start, end))
         trained[step] = start
+        windows_s.append(end - start)
     planned = simulated_bubbles(compiled.timeline)
     at_costs: dict[int, float] = {}
     mean: dict[tuple[int, ActionSpec], float] = {}
@@ -234,6 +237,7 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         # seconds per action by stage and kind ("0F", "2B", "1I", "0STEP"): what schedule="auto" simulates with
         "measured_costs": {f"{stage}{kind.code}": s for (stage, kind), s in mean.items()},
         "predicted_step_s_at_measured_costs": timeline.makespan if trained else None,
+        "measured_step_window_s": statistics.median(windows_s) if windows_s else None,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"atoll": summary}}, summary
 

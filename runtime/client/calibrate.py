@@ -20,7 +20,7 @@ import statistics
 import time
 
 from atoll.core.config import JobConfig
-from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST, STEP_ROUND_TRIP_COST
 
 CALIBRATION_STEPS = 10
 """Steps each calibration copy trains; the first warms up and is not measured. One step's wall
@@ -60,10 +60,14 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
 
 def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
     """One calibration copy's costs from its timeline summary and its steps' median wall time: each
-    action's seconds, and the step's time beyond what the simulation of its own schedule at those
-    seconds gives (the control path, which every schedule pays alike)."""
+    action's seconds, the step's time beyond what the simulation of its own schedule at those
+    seconds gives (the control path, which every schedule pays alike), and of that the part
+    outside the workers' compute window (the call's way in and out, which steps sent together hide)."""
     predicted = summary.get("predicted_step_s_at_measured_costs") or 0.0
-    return {**summary["measured_costs"], STEP_OVERHEAD_COST: max(0.0, wall_s - predicted)}
+    overhead = max(0.0, wall_s - predicted)
+    window = summary.get("measured_step_window_s")
+    round_trip = 0.0 if window is None else min(overhead, max(0.0, wall_s - window))
+    return {**summary["measured_costs"], STEP_OVERHEAD_COST: overhead, STEP_ROUND_TRIP_COST: round_trip}
 
 
 def close_call(walls: list[list[float]]) -> bool:

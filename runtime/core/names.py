@@ -14,6 +14,10 @@ microbatches than ZB-H2 and GPipe)."""
 STEP_OVERHEAD_COST = "step_overhead_s"
 """In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
 simulated actions (the control path, measured at calibration), added to the candidate's step."""
+STEP_ROUND_TRIP_COST = "step_round_trip_s"
+"""The part of that overhead outside the workers' step (the call from the client to the first
+action and back from the last), which steps sent together or ahead hide: left out of the
+candidate's step back to back."""
 SCHEDULE_COST_SEPARATOR = "/"
 """In ``JobConfig.schedule_costs``, "gpipe/0F": a cost measured under that schedule, used for it
 before the unnamed "0F" (atoll.client.calibrate)."""
