@@ -406,11 +406,12 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
     model in one process on the GPU. On CPU, the CPU each side's processes spent per step in
     the rounds of ``job.step`` (atoll: ``atoll_pids``) and of the peer is reported too."""
     virtual = virtual_stages(args, schedule)
+    torch_schedule = TORCH_NEAREST.get(schedule, schedule)  # on CPU: what torch runs beside it
     atoll = AtollSide(client, model, batches, args, schedule, virtual)
     if args.device == "cuda":
         peer, name, steps_key = SingleGpuSide(model, batches, args), "single_gpu", "single_gpu_steps_per_s"
     else:
-        peer = TorchSide(args, TORCH_NEAREST.get(schedule, schedule), virtual, atoll.stage_blocks)
+        peer = TorchSide(args, torch_schedule, virtual, atoll.stage_blocks)
         name, steps_key = "torch", "torch_pipelining_steps_per_s"
     cpu = CpuMeter(atoll_pids), CpuMeter({f"rank{r}": p.pid for r, p in enumerate(getattr(peer, "procs", []))})
     limit, limits = None, []  # on CPU: the physical limit, measured in every round beside the rates
@@ -470,7 +471,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
         row[f"ratio_{side}_over_{name}"] = round(median([r[side] / r["peer"] for r in rounds]), 3)
         row[per_round] = [round(r[side] / r["peer"], 3) for r in rounds]
     if args.device == "cpu":
-        row["torch_schedule"] = TORCH_NEAREST.get(schedule, schedule)
+        row["torch_schedule"] = torch_schedule
         row["atoll_cpu_ms_per_step"] = cpu[0].ms_per_step(args.rounds * args.steps)
         for i, key in enumerate(("atoll_compute_ms_per_microbatch_per_rank", "atoll_optimizer_ms_per_step_per_rank")):
             row[key] = [round(median([w[r][i] for w in work]) * 1e3, 2) for r in range(args.ranks)]
