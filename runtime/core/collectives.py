@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Protocol
 
 import torch
@@ -47,7 +48,10 @@ class _Binding(threading.local):
 
 
 _binding = _Binding()
-_counted: dict[int, int] = {}  # id(group) -> bytes put into its collectives since the last take
+# group -> bytes put into its collectives since the last take; held weakly, by the group itself:
+# keyed by id(), bytes a dead group never took went to a later group given the same id (a CI run
+# counted 147456 bytes too many for a 4-rank island)
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _counted_lock = threading.Lock()
 
 
@@ -65,12 +69,12 @@ def take_counted_bytes(group: IslandGroup) -> int:
     """Bytes put into ``group``'s collectives since the last call (then reset), from any thread:
     autograd runs a CUDA backward on a device thread of its own."""
     with _counted_lock:
-        return _counted.pop(id(group), 0)
+        return _counted.pop(group, 0)
 
 
 def _count(group: IslandGroup, nbytes: int) -> None:
     with _counted_lock:
-        _counted[id(group)] = _counted.get(id(group), 0) + nbytes
+        _counted[group] = _counted.get(group, 0) + nbytes
 
 
 def _group() -> IslandGroup:
