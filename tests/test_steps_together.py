@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import atoll
+from atoll.core.wire import replica_rows
 from tests import models
 from tests.reference import assert_matches_reference, train_reference
 
@@ -43,7 +44,7 @@ def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(clien
         memory = futures[-1].details().memory
         assert set(memory) == set(range(4)) and all(m["control_plane_tensor_bytes"] >= 0 for m in memory.values())
         # the same two steps more, on batches the workers hold (Job.put_batch) and on tensors: in a
-        # data-parallel job the second replica pulls each value and keeps its own rows
+        # data-parallel job the second replica pulls its own rows of each value, no more
         held = [together.put_batch(x, y) for x, y in batches[:2]]
         on_held = [f.result() for f in together.steps_async(held)]
         assert on_held == [f.result() for f in one_by_one.steps_async(batches[:2])]
@@ -53,7 +54,7 @@ def test_steps_sent_together_match_the_reference_and_steps_sent_one_by_one(clien
         received = [
             sum(m["data_plane_bytes"]["received"] for m in j.last.memory.values()) for j in (together, one_by_one)
         ]
-        pulled = sum(t.numel() * t.element_size() for t in batches[1])  # the whole batch, by replica 1's readers
+        pulled = sum(replica_rows(t, 1, 2).nbytes for t in batches[1])  # replica 1's rows, by its readers
         assert received[0] - received[1] == (pulled if layout.get("data_parallel") else 0)
         _free(held)
     finally:

@@ -277,11 +277,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             kept_outputs=kept,
         )
 
-    def _pull(self, ref: pb.RemoteRef, timeout_s: float) -> torch.Tensor:
-        """A remote value, from this worker's store or straight from its holder (never via the controller)."""
+    def _pull(self, ref: pb.RemoteRef, timeout_s: float, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
+        """A remote value (or its rows: replica index, replicas), from this worker's store or
+        straight from its holder (never via the controller)."""
         if ref.address == self.values.address:
-            return self.values.get(ref.value_id)
-        return pull(ref.address, self._token, ref.value_id, timeout_s)
+            return self.values.get(ref.value_id, rows)
+        return pull(ref.address, self._token, ref.value_id, timeout_s, rows)
 
     @rpc_handler
     @controller_only

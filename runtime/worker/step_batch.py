@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from atoll._rpc import atoll_pb2 as pb
-from atoll.core.wire import interleave, replica_rows, tensor_from_pb
+from atoll.core.wire import interleave, tensor_from_pb
 from atoll.worker.inbox import BatchInbox
 
 
@@ -35,7 +35,7 @@ class StepBatch:
 def take(
     request: pb.RunStepRequest,
     timeout_s: float,
-    pull: Callable[[pb.RemoteRef, float], torch.Tensor],
+    pull: Callable[[pb.RemoteRef, float, tuple[int, int]], torch.Tensor],
     inbox: BatchInbox,
     here: str,
 ) -> StepBatch:
@@ -43,13 +43,12 @@ def take(
     this worker's value-server address (the values it holds are read in place)."""
     control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
     try:
-        pulled_inputs = [pull(r, timeout_s) for r in request.input_refs]
-        pulled_targets = [pull(r, timeout_s) for r in request.target_refs]
+        # a data-parallel reader pulls its replica's rows alone, as it is sent its rows of a batch
+        rows = (request.ref_replica, max(request.ref_replicas, 1))
+        pulled_inputs = [pull(r, timeout_s, rows) for r in request.input_refs]
+        pulled_targets = [pull(r, timeout_s, rows) for r in request.target_refs]
         refs = (*request.input_refs, *request.target_refs)
         pulled = sum(t.nbytes for r, t in zip(refs, (*pulled_inputs, *pulled_targets)) if r.address != here)
-        # a data-parallel reader keeps its replica's rows of what it pulled, as of what it is sent
-        pulled_inputs = [replica_rows(t, request.ref_replica, request.ref_replicas) for t in pulled_inputs]
-        pulled_targets = [replica_rows(t, request.ref_replica, request.ref_replicas) for t in pulled_targets]
         posted_bytes = 0
         if request.direct:  # the client posted the rows here; the request names their specs
             posted = inbox.take(request.job_id, request.step, timeout_s).checked(request)

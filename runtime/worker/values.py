@@ -3,8 +3,13 @@
 A worker keeps a tensor under an id (``client.put``, or a forward step's output kept where it was
 made) until it is freed. Another worker that needs it as a step input pulls it straight from the
 holder over a TCP connection of the data plane: the bytes never pass through the client or the
-controller, which only pass the reference. Like gloo's, this channel is not encrypted; a request
-must carry the cluster token. Every wait has a deadline.
+controller, which only pass the reference. A data-parallel replica asks for its rows alone
+(``rows``: replica ``index`` of ``parts``, cut as ``replica_rows`` cuts them), so each replica's
+reader moves its share of a batch, not the whole. Like gloo's, this channel is not encrypted; a
+request must carry the cluster token. Every wait has a deadline.
+
+The request is one line, ``TOKEN VALUE_ID`` or ``TOKEN VALUE_ID INDEX/PARTS``; the answer a JSON
+header line (dtype, shape, byte count, or an error) and the bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import threading
 
 import torch
 
-from atoll.core.wire import TensorSpec, dtype_name, tensor_bytes, tensor_from_bytes
+from atoll.core.wire import TensorSpec, dtype_name, replica_rows, tensor_bytes, tensor_from_bytes
 from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
 from atoll.net import address as _address
 
@@ -62,12 +67,13 @@ class ValueStore:
             self._values[value_id] = tensor.detach()
         return TensorSpec.of(tensor)
 
-    def get(self, value_id: str) -> torch.Tensor:
+    def get(self, value_id: str, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
+        """The value, or its rows ``rows`` (replica index, replicas) as a view."""
         with self._lock:
             value = self._values.get(value_id)
         if value is None:
             raise NotFound(f"remote value {value_id} is not on this worker (freed, or never made here)")
-        return value
+        return replica_rows(value, *rows)
 
     def free(self, value_id: str) -> None:
         with self._lock:
@@ -86,14 +92,15 @@ class ValueStore:
         with conn:
             conn.settimeout(30.0)
             try:
-                token, _, value_id = _read_line(conn).decode().strip().partition(" ")
+                token, _, asked = _read_line(conn).decode().strip().partition(" ")
                 if token != self._token:
                     header, data = {"error": "bad token"}, b""
                 else:
-                    value = self.get(value_id)
+                    value_id, rows = _parse_ask(asked)
+                    value = self.get(value_id, rows)
                     data = tensor_bytes(value)
                     header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
-            except NotFound as e:
+            except (NotFound, InvalidInput) as e:
                 header, data = {"error": str(e)}, b""
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
@@ -112,12 +119,28 @@ class ValueStore:
             pass
 
 
-def pull(address: str, token: str, value_id: str, timeout_s: float) -> torch.Tensor:
-    """The remote value ``value_id`` from the worker whose value server listens at ``address``."""
+def _parse_ask(asked: str) -> tuple[str, tuple[int, int]]:
+    """``VALUE_ID`` or ``VALUE_ID INDEX/PARTS`` -> (value id, (index, parts))."""
+    value_id, _, rows = asked.partition(" ")
+    if not rows:
+        return value_id, (0, 1)
+    try:
+        index, parts = (int(n) for n in rows.split("/"))
+    except ValueError:
+        raise InvalidInput(f"remote value {value_id}: malformed rows {rows!r} (INDEX/PARTS)") from None
+    if not 0 <= index < parts:
+        raise InvalidInput(f"remote value {value_id}: rows {index}/{parts} out of range")
+    return value_id, (index, parts)
+
+
+def pull(address: str, token: str, value_id: str, timeout_s: float, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """The remote value ``value_id`` (or its rows ``rows``: replica index, replicas) from the
+    worker whose value server listens at ``address``."""
+    ask = value_id if rows[1] <= 1 else f"{value_id} {rows[0]}/{rows[1]}"
     try:
         with socket.create_connection(_address.split(address), timeout=timeout_s) as conn:
             conn.settimeout(timeout_s)
-            conn.sendall(f"{token} {value_id}\n".encode())
+            conn.sendall(f"{token} {ask}\n".encode())
             header = json.loads(_read_line(conn))
             if "error" in header:
                 raise NotFound(f"remote value {value_id} at {address}: {header['error']}")
