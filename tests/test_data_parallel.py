@@ -4,10 +4,14 @@ microbatches (tests.reference.RTOL = 1e-5 relative)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import atoll
+from atoll.core import linear_grads
 from tests import models
 from tests.reference import assert_losses_match, assert_matches_reference, train_reference
+from tests.test_pipeline_parity import run_pipeline
+from tests.test_zero_bubble import _float64
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -145,3 +149,37 @@ def test_bad_data_parallel_layouts_are_refused_before_loading(client4):
     with pytest.raises(atoll.InvalidInput, match="zero must be 0, 1, 2 or 3"):
         client4.pipeline(model, stages=1, microbatches=2, data_parallel=2, zero=4, **args)
     assert all(not w.jobs for w in client4.status().workers)
+
+
+def _wide_mlp(width: int):
+    """A chain whose every stage of two holds a ``width`` x ``width`` matrix (no batch norm: its
+    running statistics are each replica's own, not the whole batch's)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, width), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
+    g = torch.Generator().manual_seed(1)
+    return model, [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)) for _ in range(4)], F.mse_loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("make", [_wide_mlp, models.tied_lm], ids=["mlp", "tied_lm"])
+def test_in_place_linear_gradients_feed_the_replicas_buckets(client4, schedule, make):
+    """At width 256 the blocks' matrices pass ``MIN_WEIGHT_ELEMENTS``: each replica adds those
+    layers' weight gradients in place (atoll.core.linear_grads; in ZB-H1, in the weight halves)
+    and hands each final one to its all-reduce buckets as autograd's hook would. Two replicas of
+    a 2-rank pipeline, float64 AdamW against one process within 1e-5; every gradient reduced
+    once (the bytes all-reduced equal the plan's), the tied embedding at ALL_REDUCE_GRAD."""
+    assert 256 * 512 >= linear_grads.MIN_WEIGHT_ELEMENTS
+    model, batches, loss_fn = _float64(lambda: make(width=256))
+    args = OPTIMIZERS["adamw"]
+    job, losses, state = run_pipeline(
+        client4, model, batches, loss_fn, stages=2, data_parallel=2, microbatches=2, schedule=schedule,
+        optimizer="adamw", optimizer_args=args,
+    )  # fmt: skip
+    ref_losses, ref_state = train_reference(model, batches, loss_fn, 4, "adamw", args)
+    assert_matches_reference(losses, state, ref_losses, ref_state)
+    moved = job.plan.predicted_communication
+    for w in range(4):
+        assert job.last.memory[w]["data_plane_bytes"]["all_reduced"] == moved[w % 2]["all_reduced"] > 0

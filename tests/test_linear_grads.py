@@ -1,9 +1,11 @@
 """Linear layers' weight gradients added in place (atoll.core.linear_grads), in one process: the
 same gradients as autograd's backward (float64, 1e-12) over two accumulating backwards, for the
 layers torch runs as ``addmm``/``mm`` (2-D and 3-D inputs, with and without bias); a tied, a
-frozen and a first-stage first layer left to autograd; and the executor fusing a wide stage (and
-not a narrow one) while matching PyTorch step for step."""
+frozen and a first-stage first layer left to autograd; the executor fusing a wide stage (and
+not a narrow one) while matching PyTorch step for step; and the data-parallel buckets taking the
+gradients added in place as they come."""
 
+import contextlib
 import copy
 
 import pytest
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atoll.core import linear_grads
+from atoll.worker.executor.buckets import GradBuckets
 from tests.test_action_kinds import _compiled, _executor
 
 
@@ -136,3 +139,39 @@ def test_a_node_without_the_saved_values_this_code_reads_is_left_to_autograd():
     """Another torch might name a product node's saved values otherwise: no fusing, no error."""
     node = type("AddmmBackward0", (), {"next_functions": ()})()
     assert linear_grads.find(node, {}, {}) is None
+
+
+class _RecordingGroup:
+    """A replica group's all-reduce as the buckets call it, recording which gradients each got."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.reduced: list[torch.Tensor] = []
+
+    def all_reduce_sum(self, tensors):
+        self.reduced += tensors
+        return type("Done", (), {"wait": lambda self, timeout_s: None})()
+
+
+@pytest.mark.parametrize("tell", [True, False], ids=["ready", "without"])
+def test_in_place_gradients_reach_the_data_parallel_buckets_during_the_last_backward(tell):
+    """The buckets take each final gradient as its stage's last backward of the step adds it:
+    autograd's hook for the leaves it keeps, ``ready`` for the layers added in place. Without
+    ``ready`` those wait for ``finish`` (no overlap with the backward); either way each gradient
+    is reduced once."""
+    model = _wide(256)
+    params = list(model.parameters())
+    group = _RecordingGroup()
+    buckets = GradBuckets({0: params}, set(), group, 10.0)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    fused = {id(t) for lin in linear_grads.plan([model(x).sum()], None)[0] for t in (lin.weight, lin.bias)}
+    assert fused == {id(t) for i in (2, 4) for t in (model[i].weight, model[i].bias)}  # not the first layer
+    for last in (False, True):  # two microbatches; the second is the stage's last backward
+        with buckets.last_backward(0) if last else contextlib.nullcontext():
+            linear_grads.backward([model(x).sum()], None, None, buckets.ready if tell else None)
+    during = {id(g) for g in group.reduced}
+    buckets.finish()
+    assert sorted(id(g) for g in group.reduced) == sorted(id(p.grad) for p in params)  # each once
+    assert all((id(p.grad) in during) is tell for p in params if id(p) in fused)
+    assert {id(p.grad) for p in params if id(p) not in fused} <= during  # autograd's hook

@@ -14,6 +14,7 @@ dtype, the weight a contiguous matrix. Anything else is left to autograd as befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,12 @@ class Linear:
     """Where the product's input gradient goes (None: the input needs none)."""
     weight: torch.Tensor
     bias: torch.Tensor | None
+
+    def accumulated(self, ready: Callable[[torch.Tensor], None]) -> None:
+        """Hand ``ready`` the weight and the bias whose gradients ``accumulate`` just added to."""
+        ready(self.weight)
+        if self.bias is not None:
+            ready(self.bias)
 
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add the weight and bias gradients of the product whose output gradient is ``grad``."""
@@ -116,15 +123,20 @@ def plan(roots: list[torch.Tensor], leaves: list[torch.Tensor] | None) -> tuple[
 
 
 def backward(
-    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, leaves: list[torch.Tensor] | None
+    roots: list[torch.Tensor],
+    root_grads: list[torch.Tensor] | None,
+    leaves: list[torch.Tensor] | None,
+    ready: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
     """``torch.autograd.backward(roots, root_grads, inputs=leaves)``, with the weight and bias
     gradients of the linear layers ``plan`` finds added in place by a pre-hook on each one's
-    product node while autograd computes the rest."""
+    product node while autograd computes the rest. ``ready`` is called with each weight and bias
+    so added, as autograd's accumulation calls a post-accumulate hook (the data-parallel buckets
+    take a final gradient there): the leaves autograd keeps call their own hooks."""
     linears, rest = plan(roots, leaves)
     if not rest:  # no leaf at all
         return
-    hooks = [lin.node.register_prehook(_adder(lin)) for lin in linears]
+    hooks = [lin.node.register_prehook(_adder(lin, ready)) for lin in linears]
     try:
         torch.autograd.backward(roots, root_grads, inputs=rest)
     finally:
@@ -132,9 +144,11 @@ def backward(
             hook.remove()
 
 
-def _adder(linear: Linear):
+def _adder(linear: Linear, ready: Callable[[torch.Tensor], None] | None):
     def hook(grad_outputs):
         if grad_outputs[0] is not None:
             linear.accumulate(grad_outputs[0])
+            if ready is not None:
+                linear.accumulated(ready)
 
     return hook

@@ -24,6 +24,7 @@ predicted as the worker counts them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -148,15 +149,22 @@ def _accumulate(tensors: list[torch.Tensor], grads) -> None:
             t.grad.add_(g)
 
 
-def backward_weight(half: WeightHalf, weights: list[torch.Tensor], fuse: bool = True) -> None:
+def backward_weight(
+    half: WeightHalf,
+    weights: list[torch.Tensor],
+    fuse: bool = True,
+    ready: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Accumulate the weights' gradients (into ``.grad``) from what ``backward_input`` kept.
-    ``fuse=False`` leaves the fallback's whole backward to autograd, so hooks on the weights'
-    accumulation (the data-parallel buckets') fire as each gradient comes."""
+    ``fuse=False`` leaves the fallback's whole backward to autograd. ``ready`` is called with
+    each weight as its gradient is added here (autograd's post-accumulate hooks fire for what
+    autograd accumulates itself), so that the data-parallel buckets take each final gradient as
+    it comes."""
     if half.groups is None:
         if half.roots:
             wanted = [w for w in weights if w.requires_grad]
             if fuse:
-                linear_grads.backward(half.roots, half.root_grads, wanted)
+                linear_grads.backward(half.roots, half.root_grads, wanted, ready)
             else:
                 torch.autograd.backward(half.roots, half.root_grads, inputs=wanted)
         return
@@ -165,6 +173,8 @@ def backward_weight(half: WeightHalf, weights: list[torch.Tensor], fuse: bool = 
             kept = group.kept.get(group.linear.node) or [None]
             if kept[0] is not None:
                 group.linear.accumulate(kept[0])
+                if ready is not None:
+                    group.linear.accumulated(ready)
             continue
         edges, grads = [], []
         for node in group.frontier:
@@ -185,4 +195,8 @@ def backward_weight(half: WeightHalf, weights: list[torch.Tensor], fuse: bool = 
             for hook in hooks:
                 hook.remove()
         _accumulate(list(group.weights.values()), found)
+        if ready is not None:
+            for w, g in zip(group.weights.values(), found):
+                if g is not None:
+                    ready(w)
     half.groups = None

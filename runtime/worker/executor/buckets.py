@@ -39,10 +39,14 @@ class GradBuckets:
         self.reduced_bytes = 0
         for p in self._all:
             if id(p) not in tied:
-                p.register_post_accumulate_grad_hook(self._ready)
+                p.register_post_accumulate_grad_hook(self.ready)
 
-    def _ready(self, p: torch.nn.Parameter) -> None:
-        if self._armed is None or self._stage_of[id(p)] != self._armed or p.grad is None:
+    def ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient has been accumulated: called by autograd's post-accumulate hook, and
+        by the backwards that add gradients themselves (atoll.core.linear_grads, the split
+        backward's weight half). During its stage's last backward of the step the gradient is
+        final and goes into the bucket; tied parameters wait for ALL_REDUCE_GRAD."""
+        if self._armed is None or id(p) in self._tied or self._stage_of.get(id(p)) != self._armed or p.grad is None:
             return
         self._bucket.append(p.grad)
         self._started.add(id(p))

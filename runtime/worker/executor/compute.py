@@ -176,6 +176,12 @@ def _armed(ex: PipelineExecutor, s: int, m: int):
     return ex.buckets.last_backward(s) if final else contextlib.nullcontext()
 
 
+def _ready(ex: PipelineExecutor):
+    """What a backward that adds gradients itself tells when one is added: the data-parallel
+    buckets' hook (autograd's accumulation calls it for the rest), or nothing without replicas."""
+    return ex.buckets.ready if ex.buckets is not None else None
+
+
 @handles(Kind.BACKWARD)
 def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
     s, m = action.stage, action.microbatch
@@ -191,7 +197,7 @@ def backward(ex: PipelineExecutor, action: Action, state: StepState) -> None:
     roots, grads = _roots(ex, action, state, outputs)
     with _armed(ex, s, m):
         if roots and ex.fuse_linear_grads[s]:
-            linear_grads.backward(roots, grads, None)
+            linear_grads.backward(roots, grads, None, _ready(ex))
         elif roots:
             torch.autograd.backward(roots, grads)
     state.activation_bytes -= stash.nbytes + recomputed
@@ -226,5 +232,5 @@ def backward_weight(ex: PipelineExecutor, action: Action, state: StepState) -> N
     half, held = taken
     stash = state.stash.pop((s, m))
     with _armed(ex, s, m):
-        split_backward.backward_weight(half, ex.stage_params[s], fuse=ex.fuse_linear_grads[s])
+        split_backward.backward_weight(half, ex.stage_params[s], ex.fuse_linear_grads[s], _ready(ex))
     state.activation_bytes -= stash.nbytes + held

@@ -174,8 +174,6 @@ class PipelineExecutor:
         if self.zero is None:
             tied = {id(p) for copies in self.tied.values() for p in copies}
             self.buckets = GradBuckets(self.stage_params, tied, group, self.timeout_s)
-            # the buckets take each gradient from a hook on autograd's accumulation: no fusing
-            self.fuse_linear_grads = dict.fromkeys(self.fuse_linear_grads, False)
 
     def _slot_specs(self, recv_slots: dict[Action, int]) -> dict[int, list[TensorSpec]]:
         """Receive buffers, once, from the compiled specs; the plan says which action uses which."""
