@@ -278,8 +278,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
 
     def _pull(self, ref: pb.RemoteRef, timeout_s: float, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
-        """A remote value (or its rows: replica index, replicas), from this worker's store or
-        straight from its holder (never via the controller)."""
+        """A remote value (or its ``rows``), from this worker's store or straight from its holder."""
         if ref.address == self.values.address:
             return self.values.get(ref.value_id, rows)
         return pull(ref.address, self._token, ref.value_id, timeout_s, rows)
