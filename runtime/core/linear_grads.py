@@ -41,14 +41,9 @@ class Linear:
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def accumulated(self, ready: Callable[[torch.Tensor], None]) -> None:
-        """Hand ``ready`` the weight and the bias whose gradients ``accumulate`` just added to."""
-        ready(self.weight)
-        if self.bias is not None:
-            ready(self.bias)
-
-    def accumulate(self, grad: torch.Tensor) -> None:
-        """Add the weight and bias gradients of the product whose output gradient is ``grad``."""
+    def accumulate(self, grad: torch.Tensor, ready: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Add the weight and bias gradients of the product whose output gradient is ``grad``;
+        then hand each to ``ready``, as autograd's accumulation calls a post-accumulate hook."""
         if self.weight.grad is None:
             self.weight.grad = torch.mm(grad.t(), self.x)
         else:
@@ -58,6 +53,10 @@ class Linear:
                 self.bias.grad = grad.sum(0)
             else:
                 self.bias.grad.add_(grad.sum(0))
+        if ready is not None:
+            ready(self.weight)
+            if self.bias is not None:
+                ready(self.bias)
 
 
 def _name(node: Node | None) -> str:
@@ -147,8 +146,6 @@ def backward(
 def _adder(linear: Linear, ready: Callable[[torch.Tensor], None] | None):
     def hook(grad_outputs):
         if grad_outputs[0] is not None:
-            linear.accumulate(grad_outputs[0])
-            if ready is not None:
-                linear.accumulated(ready)
+            linear.accumulate(grad_outputs[0], ready)
 
     return hook

@@ -137,9 +137,10 @@ def _keeper(kept: dict, node: Node):
     return hook
 
 
-def _accumulate(tensors: list[torch.Tensor], grads) -> None:
+def _accumulate(tensors: list[torch.Tensor], grads, ready: Callable[[torch.Tensor], None] | None = None) -> None:
     """Into ``.grad``, as autograd accumulates: the first taken in the tensor's own layout (a
-    weight's gradient comes out of its transpose's backward transposed), later ones added in place."""
+    weight's gradient comes out of its transpose's backward transposed), later ones added in
+    place; each tensor added to handed to ``ready``, as autograd calls a post-accumulate hook."""
     for t, g in zip(tensors, grads):
         if g is None:
             continue
@@ -147,6 +148,8 @@ def _accumulate(tensors: list[torch.Tensor], grads) -> None:
             t.grad = g if g.stride() == t.stride() else g.clone(memory_format=torch.contiguous_format)
         else:
             t.grad.add_(g)
+        if ready is not None:
+            ready(t)
 
 
 def backward_weight(
@@ -172,9 +175,7 @@ def backward_weight(
         if group.linear is not None:
             kept = group.kept.get(group.linear.node) or [None]
             if kept[0] is not None:
-                group.linear.accumulate(kept[0])
-                if ready is not None:
-                    group.linear.accumulated(ready)
+                group.linear.accumulate(kept[0], ready)
             continue
         edges, grads = [], []
         for node in group.frontier:
@@ -194,9 +195,5 @@ def backward_weight(
         finally:
             for hook in hooks:
                 hook.remove()
-        _accumulate(list(group.weights.values()), found)
-        if ready is not None:
-            for w, g in zip(group.weights.values(), found):
-                if g is not None:
-                    ready(w)
+        _accumulate(list(group.weights.values()), found, ready)
     half.groups = None

@@ -44,7 +44,7 @@ def take(
     control_bytes = sum(len(t.data) for t in (*request.inputs, *request.targets))
     try:
         # a data-parallel reader pulls its replica's rows alone, as it is sent its rows of a batch
-        rows = (request.ref_replica, max(request.ref_replicas, 1))
+        rows = (request.ref_replica, request.ref_replicas)  # (0, 0) outside data parallelism: all
         pulled_inputs = [pull(r, timeout_s, rows) for r in request.input_refs]
         pulled_targets = [pull(r, timeout_s, rows) for r in request.target_refs]
         refs = (*request.input_refs, *request.target_refs)
