@@ -265,13 +265,24 @@ def test_status_json_lists_islands_workers_and_jobs(stepped):
     assert status["queue"] == []
 
 
+def _exit_code(proc: subprocess.Popen, timeout_s: float):
+    """``proc``'s exit code, or, if it is still running after ``timeout_s``, what its stacks were then
+    (it runs under ``-X faulthandler``, which prints them to stderr on SIGABRT)."""
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(10)
+        return f"still running {timeout_s}s after Ctrl-C; its threads then:"
+
+
 @pytest.mark.timeout(180)
 def test_status_watch_and_the_environment(stepped, monkeypatch):
     """$ATOLL_CONTROLLER and $ATOLL_TOKEN_FILE stand in for --controller and --token-file, in the
     CLI and in atoll.connect(); --watch re-renders until Ctrl-C, then exits 0."""
     cluster, job, _ = stepped
-    proc = subprocess.Popen(
-        [*ATOLL, "status", "--watch", "0.2", "--json"],
+    proc = subprocess.Popen(  # -X faulthandler: a hung command prints its threads' stacks on SIGABRT
+        [sys.executable, "-X", "faulthandler", *ATOLL[1:], "status", "--watch", "0.2", "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -282,7 +293,7 @@ def test_status_watch_and_the_environment(stepped, monkeypatch):
         first, second = json.loads(proc.stdout.readline()), json.loads(proc.stdout.readline())
         assert [j["job_id"] for j in first["jobs"]] == [j["job_id"] for j in second["jobs"]] == [job.id]
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 0, proc.stderr.read()
+        assert _exit_code(proc, 20) == 0, proc.stderr.read()
     finally:
         stop_processes([proc])
         proc.stdout.close()

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 
 from atoll.cli.daemons import DAEMONS, interrupt_while_starting
 from atoll.cli.malloc import exec_with_daemon_malloc
 from atoll.cli.parser import build_parser, controller_address
+from atoll.cli.stop_signal import StopSignal
 from atoll.core.names import SCHEDULES as SCHEDULES  # atoll.cli.commands.SCHEDULES, as it always was
 
 
@@ -52,10 +51,8 @@ def _status(args) -> None:
             print(f"{client.address} at {time.strftime('%H:%M:%S')} (every {args.watch:g}s, Ctrl-C to stop)")
         print(status.render(), flush=True)
 
-    stop = threading.Event()
-    if args.watch:  # Ctrl-C ends the loop between calls: one interrupted mid-call could hang gRPC's exit
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    # Ctrl-C ends the loop between calls: one interrupted mid-call could hang gRPC's exit
+    stop = StopSignal() if args.watch else None
     try:
         show(client.status(all=args.all))  # the first answer must come: an error here is the command's
         while args.watch and not stop.wait(args.watch):
@@ -65,6 +62,8 @@ def _status(args) -> None:
                 print(f"atoll status: {e}", file=sys.stderr, flush=True)
     finally:
         client.close()
+        if stop is not None:
+            stop.close()
 
 
 def _trace(args) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import select
 import signal
 import sys
 import threading
 import time
 
 from atoll.cli.parser import controller_address
+from atoll.cli.stop_signal import STOP_SIGNALS, StopSignal
 
 
 def _watch_parent(pid: int) -> None:
@@ -42,44 +42,19 @@ def _interrupt(*_) -> None:
 def interrupt_while_starting() -> None:
     """Until ``serve_until_stopped`` has started the daemon, SIGTERM and SIGINT raise
     KeyboardInterrupt, so that stopping a daemon while it starts up ends it cleanly too."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _interrupt)
-
-
-def _wait_for(stop: threading.Event) -> None:
-    """Block the main thread until ``stop`` is set by a signal's handler. The kernel may deliver
-    a process's SIGTERM to any of its threads (CUDA's, gRPC's, autograd's); CPython then only
-    flags it, and the handler runs once the main thread next executes Python. A bare
-    ``stop.wait()`` never wakes for it: on a lent H100, py-spy found CUDA workers still in it
-    3 s after their SIGTERM (LocalCluster then killed them). The wakeup fd is written from
-    whichever thread took the signal, so the main thread's select returns and the handler runs
-    at once."""
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    previous = signal.set_wakeup_fd(wake_w)
-    try:
-        while not stop.is_set():
-            select.select([wake_r], [], [], 1.0)
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 512)
-    finally:
-        signal.set_wakeup_fd(previous)
-        os.close(wake_r)
-        os.close(wake_w)
 
 
 def serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int | None, banner: str) -> None:
     """Start ``daemon``, announce it (stdout, and ``ready_file``: its address on the first line and,
     with a metrics server, ``metrics HOST:PORT`` on the second), serve until SIGTERM or SIGINT,
     stop it, and exit 0. A startup error stops what was started and propagates."""
-    stop = threading.Event()
     if exit_with_parent:
         _watch_parent(exit_with_parent)
     try:
         daemon.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = StopSignal()  # kept to the exit: a second signal while stopping changes nothing
         metrics = getattr(daemon, "metrics_address", "")
         print(banner + (f"; metrics on http://{metrics}/metrics" if metrics else ""), flush=True)
         if ready_file:
@@ -87,7 +62,7 @@ def serve_until_stopped(daemon, ready_file: str | None, exit_with_parent: int | 
             with open(tmp, "w") as f:
                 f.write(daemon.address + (f"\nmetrics {metrics}" if metrics else ""))
             os.replace(tmp, ready_file)
-        _wait_for(stop)
+        stop.wait()
     except KeyboardInterrupt:  # SIGTERM or SIGINT while starting (interrupt_while_starting)
         pass
     except BaseException:
