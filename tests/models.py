@@ -145,6 +145,14 @@ def submit(client, make=mlp, seed: int = 0, **pipeline_args):
     return job, model, batches, loss_fn
 
 
+def in_float64(make):
+    """``make()``'s model, batches and loss in float64 (token ids stay integers): the precision
+    the parity tests compare AdamW's weights in (ARCHITECTURE.md, "Parity tests that mean something")."""
+    model, batches, loss_fn = make()
+    as64 = lambda t: t.double() if t.is_floating_point() else t  # noqa: E731
+    return model.double(), [(as64(x), as64(y)) for x, y in batches], loss_fn
+
+
 def hf_gpt2(transformers, batch: int = 8):
     """GPT-2 from transformers, tiny and randomly initialized (no dropout), returning logits only;
     and three batches of ``batch`` x 16 tokens."""

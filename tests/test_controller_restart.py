@@ -96,9 +96,8 @@ def daemons(tmp_path):
 
 
 def _float64_mlp():
-    model, batches, loss_fn = models.mlp()
-    batches = [(x.double(), y.double()) for x, y in batches * 2]  # 10 steps
-    return model.double(), batches, loss_fn
+    model, batches, loss_fn = models.in_float64(models.mlp)
+    return model, batches * 2, loss_fn  # 10 steps
 
 
 def _kill_mid_step(daemons, job, batches, controller) -> tuple[list, float, float]:

@@ -11,7 +11,6 @@ from atoll.core import linear_grads
 from tests import models
 from tests.reference import assert_losses_match, assert_matches_reference, train_reference
 from tests.test_pipeline_parity import run_pipeline
-from tests.test_zero_bubble import _float64
 
 pytestmark = pytest.mark.cluster  # every test here starts processes
 
@@ -172,7 +171,7 @@ def test_in_place_linear_gradients_feed_the_replicas_buckets(client4, schedule, 
     a 2-rank pipeline, float64 AdamW against one process within 1e-5; every gradient reduced
     once (the bytes all-reduced equal the plan's), the tied embedding at ALL_REDUCE_GRAD."""
     assert 256 * 256 >= linear_grads.MIN_WEIGHT_ELEMENTS
-    model, batches, loss_fn = _float64(lambda: make(width=256))
+    model, batches, loss_fn = models.in_float64(lambda: make(width=256))
     args = OPTIMIZERS["adamw"]
     job, losses, state = run_pipeline(
         client4, model, batches, loss_fn, stages=2, data_parallel=2, microbatches=2, schedule=schedule,

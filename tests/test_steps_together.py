@@ -16,8 +16,7 @@ ADAMW = {"lr": 1e-3}
 
 def _mlp64(seed: int = 0):
     """tests.models.mlp in float64, so that a mismatch with the reference is not rounding."""
-    model, batches, loss_fn = models.mlp(seed)
-    return model.double(), [(x.double(), y.double()) for x, y in batches], loss_fn
+    return models.in_float64(lambda: models.mlp(seed))
 
 
 def _free(held: list) -> None:

@@ -16,12 +16,6 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 MODELS = [models.mlp, models.skip_net, models.tied_lm]
 
 
-def _float64(make):
-    model, batches, loss_fn = make()
-    as64 = lambda t: t.double() if t.is_floating_point() else t  # noqa: E731 (token ids stay integers)
-    return model.double(), [(as64(x), as64(y)) for x, y in batches], loss_fn
-
-
 def _memory_matches(job, exact_last: bool) -> None:
     """Predicted peak equals counted, rank by rank. A mean-squared-error loss is the exception on
     the rank of the last stage: torch's kernel returns the loss scalar in the storage of its
@@ -74,7 +68,7 @@ def test_zero_bubble_matches_single_process(client4, schedule, make):
         assert any(e["transport"] == "local" for e in job.plan.report["edges"])
     _memory_matches(job, exact_last=make is models.tied_lm)
 
-    model, batches, loss_fn = _float64(make)
+    model, batches, loss_fn = models.in_float64(make)
     job, losses, state = run_pipeline(
         client4, model, batches, loss_fn, optimizer="adamw", optimizer_args=ADAMW, **settings
     )
@@ -91,7 +85,7 @@ def test_in_place_linear_gradients_match_single_process(client4, schedule, make)
     those layers' weight gradients in place (atoll.core.linear_grads), in 1F1B's whole backwards
     and in ZB-H1's weight halves, beside a skip edge and a tied embedding autograd keeps."""
     assert 256 * 512 >= linear_grads.MIN_WEIGHT_ELEMENTS
-    model, batches, loss_fn = _float64(lambda: make(width=256))
+    model, batches, loss_fn = models.in_float64(lambda: make(width=256))
     job, losses, state = run_pipeline(
         client4, model, batches, loss_fn, stages=2, microbatches=4, schedule=schedule, optimizer="adamw",
         optimizer_args=ADAMW,
@@ -106,7 +100,7 @@ def test_in_place_linear_gradients_match_single_process(client4, schedule, make)
 def test_zero_bubble_with_data_parallel_replicas_matches_single_process(client4, schedule, zero):
     """Two replicas of a 2-rank pipeline: the weight halves end each stage's gradients, which the
     replicas then average (ZeRO-1: reduce and step each replica's shard)."""
-    model, batches, loss_fn = _float64(models.mlp)
+    model, batches, loss_fn = models.in_float64(models.mlp)
     job, losses, state = run_pipeline(
         client4, model, batches, loss_fn, stages=2, data_parallel=2, zero=zero, microbatches=2, schedule=schedule,
         virtual_stages=2 if schedule == "zbv" else 1, optimizer="adamw", optimizer_args=ADAMW,
