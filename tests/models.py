@@ -146,8 +146,8 @@ def submit(client, make=mlp, seed: int = 0, **pipeline_args):
 
 
 def in_float64(make):
-    """``make()``'s model, batches and loss in float64 (token ids stay integers): the precision
-    the parity tests compare AdamW's weights in (ARCHITECTURE.md, "Parity tests that mean something")."""
+    """``make()``'s model, batches and loss in float64 (token ids stay integers): parity tests
+    compare weights under AdamW in float64, so that a mismatch is not rounding."""
     model, batches, loss_fn = make()
     as64 = lambda t: t.double() if t.is_floating_point() else t  # noqa: E731
     return model.double(), [(as64(x), as64(y)) for x, y in batches], loss_fn
