@@ -15,8 +15,9 @@ from atoll.cli.stop_signal import STOP_SIGNALS, StopSignal
 @pytest.mark.parametrize("sig", STOP_SIGNALS, ids=["SIGTERM", "SIGINT"])
 def test_a_signal_while_the_main_thread_holds_a_lock_sets_the_flag(sig):
     """CPython runs the handler between any two bytecodes of the main thread; ``status --watch``'s
-    handler was ``threading.Event.set``, which deadlocked when Ctrl-C came while ``Event.wait`` held
-    the event's lock (CI: the command still running 20 s after its Ctrl-C). This handler takes none."""
+    handler was ``threading.Event.set``, which deadlocks when Ctrl-C comes while ``Event.wait`` holds
+    the event's lock (once in CI, the command was still running 20 s after its Ctrl-C). This
+    handler takes none."""
     with StopSignal() as stop, threading.Lock():  # where Event.wait held its lock
         os.kill(os.getpid(), sig)
         sum(range(10))  # bytecodes: the handler runs here

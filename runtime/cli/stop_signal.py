@@ -19,12 +19,13 @@ class StopSignal:
     Two things shape it. CPython runs a signal's handler in the main thread between two of its
     bytecodes, wherever it is, so a handler that takes a lock the main thread may hold deadlocks:
     ``threading.Event.set`` does, since ``Event.wait`` holds the event's lock on its way into and
-    out of its timed wait (``atoll status --watch`` hung in CI on a Ctrl-C that came there); this
-    handler only sets a flag. And the kernel may deliver a process's signal to any of its threads
-    (gRPC's, CUDA's); CPython then only flags it, and the handler waits for the main thread's next
-    bytecode, which a blocked main thread never reaches (on a lent H100, py-spy found CUDA workers
-    still in ``Event.wait()`` 3 s after their SIGTERM). So ``wait`` selects on the wakeup fd, which
-    whichever thread took the signal writes."""
+    out of its timed wait (the one way found for ``atoll status --watch`` to have been still
+    running 20 s after its Ctrl-C in a CI run); this handler only sets a flag. And the kernel may
+    deliver a process's signal to any of its threads (gRPC's, CUDA's); CPython then only flags
+    it, and the handler waits for the main thread's next bytecode, which a blocked main thread
+    never reaches (on a lent H100, py-spy found CUDA workers still in ``Event.wait()`` 3 s after
+    their SIGTERM). So ``wait`` selects on the wakeup fd, which whichever thread took the signal
+    writes."""
 
     def __init__(self) -> None:
         self.stopped = False
@@ -45,7 +46,8 @@ class StopSignal:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            select.select([self._wake_r], [], [], left)
+            # at most a second: should anything take the wakeup fd over, the flag is still seen
+            select.select([self._wake_r], [], [], 1.0 if left is None else min(left, 1.0))
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 512)
         return self.stopped
