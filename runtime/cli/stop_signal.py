@@ -27,6 +27,10 @@ class StopSignal:
     their SIGTERM). So ``wait`` selects on the wakeup fd, which whichever thread took the signal
     writes."""
 
+    LOOK_S = 1.0
+    """The longest ``wait`` blocks without looking at the flag: should anything take the wakeup fd
+    over, a signal is still seen within this."""
+
     def __init__(self) -> None:
         self.stopped = False
         self._wake_r, self._wake_w = os.pipe()
@@ -46,8 +50,8 @@ class StopSignal:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            # at most a second: should anything take the wakeup fd over, the flag is still seen
-            select.select([self._wake_r], [], [], 1.0 if left is None else min(left, 1.0))
+            look = self.LOOK_S if left is None else min(left, self.LOOK_S)
+            select.select([self._wake_r], [], [], look)
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 512)
         return self.stopped
