@@ -54,6 +54,8 @@ class ValueStore:
         self._values: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.bytes_served = 0
+        """Bytes of values sent to their pullers, counted as each send begins (a failed one takes
+        its bytes back), so a puller that has its bytes finds them counted."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._server = socket.create_server((host.strip("[]"), 0), family=family)
         self.address = _address.join(advertise_host or host, self._server.getsockname()[1])
@@ -104,12 +106,14 @@ class ValueStore:
                 header, data = {"error": str(e)}, b""
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
+            # counted before the send: its reader may have it all before this thread runs again
+            with self._lock:
+                self.bytes_served += len(data)
             try:
                 conn.sendall(json.dumps(header).encode() + b"\n" + data)
             except OSError:
-                return
-            with self._lock:
-                self.bytes_served += len(data)
+                with self._lock:
+                    self.bytes_served -= len(data)
 
     def close(self) -> None:
         self._closed = True
