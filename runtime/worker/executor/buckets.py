@@ -37,9 +37,8 @@ class GradBuckets:
         self._started: set[int] = set()
         self._handles: list = []
         self.reduced_bytes = 0
-        for p in self._all:
-            if id(p) not in tied:
-                p.register_post_accumulate_grad_hook(self.ready)
+        for p in self._all:  # ``ready`` leaves the tied ones out, for this hook and for its other callers
+            p.register_post_accumulate_grad_hook(self.ready)
 
     def ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient has been accumulated: called by autograd's post-accumulate hook, and
