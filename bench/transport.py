@@ -6,7 +6,9 @@ processes, next to a copy inside one, and each one's round trip of a 64-byte mes
 Prints one JSON object. For each size: a device-to-device copy inside one process (the ceiling),
 atoll's CudaIpcTransport between two worker-like processes (the receiver keeps ``--depth``
 receives posted ahead, as a pipeline's receive slots do), and atoll's gloo transport through
-pinned host memory between the same two processes. Bandwidth counts each payload byte once.
+pinned host memory between the same two processes. Bandwidth counts each payload byte once. Each
+row also gives both processes' CPU time per timed transfer by thread (``cpu_us_per_transfer``): a
+thread near the transfer's period bounds the rate.
 
     python bench/transport.py [--sizes-mb 1 64] [--iters 200] [--mps] [--orderings flags events]
 
@@ -27,6 +29,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +81,20 @@ def _payload(nbytes: int, n: int, device: str) -> torch.Tensor:
     return ((torch.arange(nbytes, device=device) + n) % 251).to(torch.uint8)
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds each of this process's Python threads has used so far, by name, and the rest of
+    the process's (threads Python did not start, CUDA's and gloo's, and threads that ended) as
+    "other": which thread a transfer's host work lands on, and so which one bounds the rate."""
+    used = {}
+    for t in threading.enumerate():
+        try:
+            used[t.name] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, TypeError):
+            continue  # the thread ended meanwhile
+    used["other"] = max(0.0, time.process_time() - sum(used.values()))
+    return used
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -114,13 +131,15 @@ def _peer(kind: str, ordering, device: str, nbytes: int, iters: int, depth: int,
         store.set(f"go/{rank}/{timed}", "1")
         store.wait([f"go/{1 - rank}/{timed}"])
         _sync(device)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), thread_cpu_s()
         _transfers(transport, rank, buffers, tag, [src] * count)
         _sync(device)
         elapsed = time.perf_counter() - started
         tag += count
         if timed:
             result.update(gbps=nbytes * count / elapsed / 1e9, elapsed_s=elapsed)
+            cpu = {name: (s - cpu.get(name, 0.0)) / count * 1e6 for name, s in thread_cpu_s().items()}
+            store.set(f"cpu/{rank}", json.dumps({name: round(us, 1) for name, us in cpu.items() if us > 0}))
     # then check the ordering: every transfer carries different bytes, and each must arrive whole
     # before the receiver's stream reads it and not be overwritten before that read
     checks = 4 * depth
@@ -135,7 +154,8 @@ def _peer(kind: str, ordering, device: str, nbytes: int, iters: int, depth: int,
     _transfers(transport, rank, buffers, tag, sources, check)
     _sync(device)
     if rank == 1:
-        out.put({**result, "checked": not wrong, "wrong_transfers": wrong})
+        cpu = {"sender": json.loads(store.get("cpu/0")), "receiver": json.loads(store.get("cpu/1"))}
+        out.put({**result, "checked": not wrong, "wrong_transfers": wrong, "cpu_us_per_transfer": cpu})
     store.set(f"checked/{rank}", "1")  # the sender stays connected until every arrival was compared
     store.wait([f"checked/{1 - rank}"])
     transport.close()  # before the barrier: neither process exits while the other maps its memory
@@ -269,6 +289,7 @@ def _cpu_rows(args) -> None:
             row[f"ratio_{kind}_to_raw"] = round(got["gbps"] / raw, 4)
             row[f"{kind}_payloads_arrive_whole_and_in_order"] = got["checked"]
             row[f"{kind}_wrong_transfers"] = got["wrong_transfers"]
+            row[f"{kind}_cpu_us_per_transfer"] = got["cpu_us_per_transfer"]
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     trips = {kind: run_pair(_ping_pong, kind, args.round_trips, ctx=ctx) for kind in ("socket", "gloo")}
@@ -296,6 +317,7 @@ def _row(mb: float, nbytes: int, depth: int, raw: float, gloo: dict, mps: bool, 
         "ratio_cuda_ipc_to_gloo": round(ipc["gbps"] / gloo["gbps"], 1),
         "payloads_arrive_whole_and_in_order": bool(ipc["checked"] and gloo["checked"]),
         "wrong_transfers": ipc["wrong_transfers"],
+        "cpu_us_per_transfer": ipc["cpu_us_per_transfer"],
     }
     print(json.dumps(row), file=sys.stderr, flush=True)  # what a run cut short still shows
     return row

@@ -238,6 +238,7 @@ def test_cuda_ipc_delivers_every_transfer_whole_and_in_order(ordering):
     assert row["ordering"] == ordering
     assert row["payloads_arrive_whole_and_in_order"], f"transfers {row['wrong_transfers']} arrived wrong"
     assert row["atoll_cuda_ipc_GBps"] > 0
+    assert sum(row["cpu_us_per_transfer"]["sender"].values()) > 0, row["cpu_us_per_transfer"]
 
 
 def test_counters_probe_runs_at_its_smallest_size():
