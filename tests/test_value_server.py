@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atoll.core.wire import replica_rows
-from atoll.errors import NotFound
+from atoll.errors import InvalidInput, NotFound, Unauthenticated
 from atoll.net import address
 from atoll.worker.values import ValueStore, pull
 
@@ -54,6 +54,15 @@ def test_a_bad_request_gets_the_reason_and_the_server_serves_on(store, line, err
     assert pull(store.address, TOKEN, "batch", 10.0, (1, 2)).shape == (3, 4)
 
 
-def test_pull_raises_the_servers_reason(store):
-    with pytest.raises(NotFound, match="bad token"):
-        pull(store.address, "wrong", "batch", 10.0)
+@pytest.mark.parametrize(
+    "token, value_id, rows, error, reason",
+    [
+        ("wrong", "batch", (0, 1), Unauthenticated, "bad token"),
+        (TOKEN, "missing", (0, 1), NotFound, "not on this worker"),
+        (TOKEN, "batch", (3, 2), InvalidInput, "rows 3/2 out of range"),
+    ],
+)
+def test_pull_raises_the_servers_reason_as_its_kind(store, token, value_id, rows, error, reason):
+    with pytest.raises(error, match=reason):
+        pull(store.address, token, value_id, 10.0, rows)
+    assert pull(store.address, TOKEN, "batch", 10.0).shape == (6, 4)  # it serves on

@@ -21,7 +21,7 @@ import threading
 import torch
 
 from atoll.core.wire import TensorSpec, dtype_name, replica_rows, tensor_bytes, tensor_from_bytes
-from atoll.errors import DeadlineExceeded, InvalidInput, NotFound
+from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, Unauthenticated
 from atoll.net import address as _address
 
 
@@ -96,14 +96,13 @@ class ValueStore:
             try:
                 token, _, asked = _read_line(conn).decode().strip().partition(" ")
                 if token != self._token:
-                    header, data = {"error": "bad token"}, b""
-                else:
-                    value_id, rows = _parse_ask(asked)
-                    value = self.get(value_id, rows)
-                    data = tensor_bytes(value)
-                    header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
-            except (NotFound, InvalidInput) as e:
-                header, data = {"error": str(e)}, b""
+                    raise Unauthenticated("bad token")
+                value_id, rows = _parse_ask(asked)
+                value = self.get(value_id, rows)
+                data = tensor_bytes(value)
+                header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
+            except _REFUSALS as e:
+                header, data = {"error": str(e), "kind": type(e).__name__}, b""
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
             # counted before the send: its reader may have it all before this thread runs again
@@ -123,6 +122,10 @@ class ValueStore:
             pass
 
 
+_REFUSALS = (NotFound, InvalidInput, Unauthenticated)
+"""What the server answers with its reason and kind; ``pull`` raises the same class."""
+
+
 def _parse_ask(asked: str) -> tuple[str, tuple[int, int]]:
     """``VALUE_ID`` or ``VALUE_ID INDEX/PARTS`` -> (value id, (index, parts))."""
     value_id, _, rows = asked.partition(" ")
@@ -139,18 +142,21 @@ def _parse_ask(asked: str) -> tuple[str, tuple[int, int]]:
 
 def pull(address: str, token: str, value_id: str, timeout_s: float, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """The remote value ``value_id`` (or its rows ``rows``: replica index, replicas) from the
-    worker whose value server listens at ``address``."""
+    worker whose value server listens at ``address``. A refusal raises the server's own kind of
+    error (``NotFound``, ``InvalidInput``, ``Unauthenticated``); a holder that cannot be read,
+    ``NotFound`` (a remote value lives as long as its worker)."""
     ask = value_id if rows[1] <= 1 else f"{value_id} {rows[0]}/{rows[1]}"
     try:
         with socket.create_connection(_address.split(address), timeout=timeout_s) as conn:
             conn.settimeout(timeout_s)
             conn.sendall(f"{token} {ask}\n".encode())
             header = json.loads(_read_line(conn))
-            if "error" in header:
-                raise NotFound(f"remote value {value_id} at {address}: {header['error']}")
-            data = _read_exact(conn, int(header["nbytes"]))
+            data = b"" if "error" in header else _read_exact(conn, int(header["nbytes"]))
     except TimeoutError:
         raise DeadlineExceeded(f"remote value {value_id}: no answer from {address} within {timeout_s}s") from None
     except (OSError, ConnectionError, ValueError) as e:
         raise NotFound(f"remote value {value_id}: cannot read it from {address}: {e}") from None
+    if "error" in header:
+        kind = {cls.__name__: cls for cls in _REFUSALS}.get(header.get("kind"), NotFound)
+        raise kind(f"remote value {value_id} at {address}: {header['error']}")
     return tensor_from_bytes(data, header["dtype"], header["shape"], f"remote value {value_id}")
