@@ -244,7 +244,7 @@ def test_transport_benchmark_runs_its_cpu_rows_at_their_smallest_size():
     for kind in ("socket", "gloo"):
         assert row[f"atoll_{kind}_GBps"] > 0
         assert row[f"{kind}_payloads_arrive_whole_and_in_order"], row[f"{kind}_wrong_transfers"]
-        cpu = row[f"{kind}_cpu_us_per_transfer"]  # each side's host time by thread; the sending one's main works
+        cpu = row[f"{kind}_cpu_us_per_transfer"]  # each side's host time by thread (the sender's main thread sends)
         assert cpu["sender"]["MainThread"] > 0 and sum(cpu["receiver"].values()) > 0
         assert report["round_trip_64_bytes"][f"{kind}_round_trip_us"] > 0
 
