@@ -18,10 +18,11 @@ import json
 import socket
 import threading
 
+import grpc
 import torch
 
 from atoll.core.wire import TensorSpec, dtype_name, replica_rows, tensor_bytes, tensor_from_bytes
-from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, Unauthenticated
+from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, Unauthenticated, from_status
 from atoll.net import address as _address
 
 
@@ -102,7 +103,7 @@ class ValueStore:
                 data = tensor_bytes(value)
                 header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
             except _REFUSALS as e:
-                header, data = {"error": str(e), "kind": type(e).__name__}, b""
+                header, data = {"error": str(e), "code": e.code.name}, b""
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
             # counted before the send: its reader may have it all before this thread runs again
@@ -123,7 +124,8 @@ class ValueStore:
 
 
 _REFUSALS = (NotFound, InvalidInput, Unauthenticated)
-"""What the server answers with its reason and kind; ``pull`` raises the same class."""
+"""What the server answers with its reason and its gRPC status code; ``pull`` raises the class of
+that code (atoll.errors.from_status), as a client does for a daemon's refusal."""
 
 
 def _parse_ask(asked: str) -> tuple[str, tuple[int, int]]:
@@ -157,6 +159,6 @@ def pull(address: str, token: str, value_id: str, timeout_s: float, rows: tuple[
     except (OSError, ConnectionError, ValueError) as e:
         raise NotFound(f"remote value {value_id}: cannot read it from {address}: {e}") from None
     if "error" in header:
-        kind = {cls.__name__: cls for cls in _REFUSALS}.get(header.get("kind"), NotFound)
-        raise kind(f"remote value {value_id} at {address}: {header['error']}")
+        code = getattr(grpc.StatusCode, str(header.get("code")), grpc.StatusCode.NOT_FOUND)
+        raise from_status(code, f"remote value {value_id} at {address}: {header['error']}")
     return tensor_from_bytes(data, header["dtype"], header["shape"], f"remote value {value_id}")
