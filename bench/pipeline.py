@@ -39,7 +39,10 @@ second (above 1 means atoll is faster). atoll is measured four times per round: 
 before waiting, as a Pathways client would), with ``job.steps_async`` (``--steps-per-call``
 steps to a call, the next call sent while one runs, as examples/train_gpt.py trains), and so
 again on the same batches held by the workers that read them (``job.put_batch``, placed once:
-``atoll_resident``), as torch's ranks hold theirs, so that no step carries a batch. On CPU the
+``atoll_resident``), as torch's ranks hold theirs, so that no step carries a batch; that
+round's rate is also read as a long run's (``atoll_resident_steady``: from its first call's end to
+its last call's, at least two calls a round), since torch's ranks time their rounds between two
+barriers of their own, with no call's way in or out inside them. On CPU the
 report also gives the CPU milliseconds each side's processes spent per step (atoll's client,
 controller and workers; torch's ranks): with more processes than cores, the rates follow it.
 Nothing here asserts on time.
@@ -166,10 +169,11 @@ ATOLL_SIDES = {
     "atoll_async": "ratio_async_per_round",
     "atoll_per_call": "ratio_per_call_per_round",
     "atoll_resident": "ratio_resident_per_round",
+    "atoll_resident_steady": "ratio_resident_steady_per_round",
 }
-"""atoll's four ways of running a round (steps waited for, sent ahead, several to a call, and
-several to a call on batches held by the workers; see ``AtollSide.run``), each with its report
-key of per-round ratios."""
+"""atoll's ways of running a round (steps waited for, sent ahead, several to a call, and several
+to a call on batches held by the workers, whose rate is also read from its first call's end, see
+``AtollSide.run``), each with its report key of per-round ratios."""
 
 
 class AtollSide:
@@ -204,9 +208,13 @@ class AtollSide:
         ``per_call`` sends the steps ``per_call`` to a call (steps_async), the next call sent
         while one runs, as examples/train_gpt.py does: each worker runs a call's steps in one
         turn, so the control plane's cost per call is shared by its steps. ``resident`` steps on
-        the batches the workers hold (``Job.put_batch``): no step carries a batch's bytes."""
+        the batches the workers hold (``Job.put_batch``): no step carries a batch's bytes.
+        With ``per_call``, ``steady_rate`` is left the rate of the steps after the first call, from
+        its end to the last call's (None for one call): a long run's, whose first call's way in
+        and out is paid once, not once a round."""
         start = time.perf_counter()
         futures = []
+        first_end, self.steady_rate = None, None
         batches = self.resident if resident else self.batches
         for done in range(0, steps, per_call or 1):
             chunk = []
@@ -217,12 +225,16 @@ class AtollSide:
                 futures.append(self.job.steps_async(chunk)[-1])
                 if len(futures) > 1:
                     futures[-2].result()
+                    first_end = first_end or time.perf_counter()
             else:
                 futures.append(self.job.step_async(*chunk[0]))
                 if not pipelined:
                     futures[-1].result()
         loss = [f.result() for f in futures][-1]
-        return steps / (time.perf_counter() - start), loss
+        end = time.perf_counter()
+        if first_end is not None:
+            self.steady_rate = (steps - per_call) / (end - first_end)
+        return steps / (end - start), loss
 
     def close(self) -> None:
         for x, y in self.resident:
@@ -427,9 +439,11 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
-            r_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call, resident=True)
+            r_steps = max(args.steps, 2 * args.steps_per_call)  # two calls at least: a steady rate
+            r_rate, _ = atoll.run(r_steps, per_call=args.steps_per_call, resident=True)
+            s_rate = atoll.steady_rate
             if args.device == "cpu":  # the round closest to the limit: no batch crosses the cores
-                work.append(compute_per_rank(atoll.job.timeline(last=args.steps), args.microbatches))
+                work.append(compute_per_rank(atoll.job.timeline(last=r_steps), args.microbatches))
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
@@ -443,6 +457,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
                     "atoll_async": p_rate,
                     "atoll_per_call": c_rate,
                     "atoll_resident": r_rate,
+                    "atoll_resident_steady": s_rate,
                     "peer": t_rate,
                 }
             )
@@ -526,11 +541,14 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     apart and are listed as they were. Each candidate runs its rounds two ways: one step at a
     time, each waited for, as the calibration ran them, against the prediction of a step on its
     own (its simulated makespan plus the overhead the calibration measured: like against like),
-    and several steps to a call (``--steps-per-call``, as training runs them; the keys ending
-    ``_back_to_back``) against the prediction the choice is made on (the simulated step after
-    another, plus the overhead less its round trip outside the workers' step, which calls hide). The
-    chosen schedule's measured step is the median of both its copies' rounds (the auto job's own
-    beside it)."""
+    and several steps to a call (``--steps-per-call``, two calls in flight, as training runs them;
+    at least two calls a round; the keys ending ``_back_to_back``) against the prediction the
+    choice is made on (the simulated step after another, plus what the calibration measured a
+    step back to back to cost beyond it): each round's rate from the first call's end to the last
+    call's (``AtollSide.steady_rate``), as the calibration measures, since a long run pays its
+    first call's way in once (the rows' several-to-a-call rates, listed beside, pay it once a
+    round). The chosen schedule's measured step is the median of both its copies' rounds (the
+    auto job's own beside it)."""
     atoll = AtollSide(client, model, batches, args, "auto", 1)
     choice = atoll.job.plan.report["schedule_choice"]
     predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
@@ -543,7 +561,8 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         waited: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name, side in sides.items():
-                together[name].append(side.run(args.steps, per_call=args.steps_per_call)[0])
+                side.run(max(args.steps, 2 * args.steps_per_call), per_call=args.steps_per_call)
+                together[name].append(side.steady_rate)
                 waited[name].append(side.run(args.steps)[0])
     finally:
         for side in sides.values():

@@ -141,21 +141,29 @@ def test_each_candidate_is_simulated_at_the_costs_measured_under_it():
 def test_the_measured_step_overhead_is_added_to_every_candidate():
     from atoll.client.calibrate import costs_of
 
-    summary = {"measured_costs": _costs(1.0, 1.0, 1.0), "predicted_step_s_at_measured_costs": 13.0}
-    costs = costs_of(summary | {"measured_step_window_s": 14.0}, 15.5)
+    summary = {
+        "measured_costs": _costs(1.0, 1.0, 1.0),
+        "predicted_step_s_at_measured_costs": 13.0,
+        "predicted_steady_step_s_at_measured_costs": 11.0,
+    }
+    costs = costs_of(summary, 15.5, 12.0)
     assert costs["step_overhead_s"] == 2.5  # the calibration step's wall time beyond its simulation
-    assert costs["step_round_trip_s"] == 1.5  # of which outside the workers' first to last action
-    assert costs_of(summary, 15.5)["step_round_trip_s"] == 0.0  # no window measured: none left out
+    assert costs["step_back_to_back_overhead_s"] == 1.0  # a step sent together beyond its simulation so
+    assert costs_of(summary, 15.5, 10.0)["step_back_to_back_overhead_s"] == 0.0  # never below the simulation
+    assert "step_back_to_back_overhead_s" not in costs_of(summary, 15.5)  # none measured back to back
     plain = _compile(schedule_costs=_costs(1.0, 1.0, 1.0)).schedule_choice.candidates
     loaded = {c.schedule: c for c in _compile(schedule_costs=costs).schedule_choice.candidates}
-    for c in plain:  # a step on its own pays the whole overhead; back to back, the next step hides the round trip
+    lone = {c.schedule: c for c in _compile(schedule_costs=costs_of(summary, 15.5)).schedule_choice.candidates}
+    for c in plain:  # a step on its own pays the whole overhead; back to back, what was measured so
         assert loaded[c.schedule].predicted_lone_step_s == c.predicted_lone_step_s + 2.5
         assert loaded[c.schedule].predicted_step_s == c.predicted_step_s + 1.0
+        assert lone[c.schedule].predicted_step_s == c.predicted_step_s + 2.5  # not measured: the whole overhead
 
 
 class _Copy:
     """A calibration copy standing in for a Job: each step moves the shared clock on by its
-    schedule's seconds (no sleeping: the test reads no real time)."""
+    schedule's seconds (no sleeping: the test reads no real time); a call's steps do so when its
+    last step's result is awaited."""
 
     def __init__(self, config, seconds, clock):
         self.schedule, self.seconds, self.clock = config.schedule, seconds, clock
@@ -165,9 +173,16 @@ class _Copy:
         self.clock[0] += self.seconds
         self.steps += 1
 
+    def steps_async(self, batches):
+        self.steps += len(batches)
+        clock, seconds = self.clock, self.seconds * len(batches)
+        done = types.SimpleNamespace(result=lambda: clock.__setitem__(0, clock[0] + seconds))
+        return [None] * (len(batches) - 1) + [done]
+
     def timeline(self, last):
         self.last = last
-        return types.SimpleNamespace(summary={"measured_costs": {"0F": self.seconds}})
+        summary = {"measured_costs": {"0F": self.seconds}, "predicted_steady_step_s_at_measured_costs": self.seconds}
+        return types.SimpleNamespace(summary=summary)
 
     def close(self):
         self.closed = True
@@ -176,20 +191,24 @@ class _Copy:
 FAR, NEAR = {"1f1b": 0.002, "gpipe": 0.006}, {"1f1b": 0.004, "gpipe": 0.0041}
 
 
-@pytest.mark.parametrize(("seconds", "steps"), [(FAR, 10), (NEAR, 30)], ids=["far apart", "close"])
-def test_calibration_measures_longer_only_where_the_choice_is_close(monkeypatch, seconds, steps):
-    """Ten steps each where the fastest two are far apart; thirty where their medians lie within
-    5% (the median of nine steps is itself about that uncertain); every copy closed."""
+@pytest.mark.parametrize(("seconds", "rounds"), [(FAR, 3), (NEAR, 8)], ids=["far apart", "close"])
+def test_calibration_measures_longer_only_where_the_choice_is_close(monkeypatch, seconds, rounds):
+    """Ten steps each waited for, then three rounds back to back (two calls of four steps) where
+    the fastest two are far apart, eight where their medians lie within 5%; the timeline read over
+    the steps waited for; every copy closed."""
     from atoll.client import calibrate
 
-    assert (calibrate.CALIBRATION_STEPS, calibrate.MAX_CALIBRATION_STEPS, calibrate.CLOSE) == (10, 30, 0.05)
+    assert (calibrate.CALIBRATION_STEPS, calibrate.CALL_STEPS, calibrate.CLOSE) == (10, 4, 0.05)
+    assert (calibrate.BACK_TO_BACK_ROUNDS, calibrate.MAX_BACK_TO_BACK_ROUNDS) == (3, 8)
     clock = [0.0]
     monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     configs = [JobConfig(stages=2, microbatches=4, schedule=s) for s in seconds]
     copies = []
     submit = lambda config: copies.append(_Copy(config, seconds[config.schedule], clock)) or copies[-1]  # noqa: E731
     costs = calibrate.run_copies(submit, configs, (None, None))
-    assert [(c.steps, c.last, c.closed) for c in copies] == [(steps, steps - 1, True)] * 2
-    assert costs["1f1b"]["0F"] == seconds["1f1b"] and costs["gpipe"]["0F"] == seconds["gpipe"]
+    assert [(c.steps, c.last, c.closed) for c in copies] == [(10 + rounds * 8, 9, True)] * 2
+    for schedule, s in seconds.items():
+        assert costs[schedule]["0F"] == s
+        assert costs[schedule]["step_back_to_back_overhead_s"] == pytest.approx(0.0)  # a step back to back: s
     assert calibrate.close_call([[1.0, 1.0], [1.04]]) and not calibrate.close_call([[1.0], [1.06]])
     assert not calibrate.close_call([[1.0]])  # one candidate: nothing to decide

@@ -38,6 +38,8 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["atoll_steps_per_s"] > 0 and row["torch_pipelining_steps_per_s"] > 0
         assert row["atoll_per_call_steps_per_s"] > 0 and len(row["ratio_per_call_per_round"]) == 1
         assert row["atoll_resident_steps_per_s"] > 0 and len(row["ratio_resident_per_round"]) == 1  # put_batch's
+        # the same round from its first call's end to its last's, as a long run goes
+        assert row["atoll_resident_steady_steps_per_s"] > 0 and len(row["ratio_resident_steady_per_round"]) == 1
         assert row["first_round_loss_atoll"] == pytest.approx(row["first_round_loss_torch"], rel=1e-4)
         assert set(row["atoll_cpu_ms_per_step"]) == {"client", "controller", "worker0", "worker1", "total"}
         assert set(row["torch_cpu_ms_per_step"]) == {"rank0", "rank1", "total"}
@@ -71,6 +73,9 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         assert row["atoll_resident_share_of_limit"] == pytest.approx(
             row["atoll_resident_steps_per_s"] / row["physical_limit_steps_per_s"], rel=1e-2, abs=1e-3
         )
+        assert row["atoll_resident_steady_share_of_limit"] == pytest.approx(
+            row["atoll_resident_steady_steps_per_s"] / row["physical_limit_steps_per_s"], rel=1e-2, abs=1e-3
+        )
     assert report["rows"][1]["stage_blocks"] == [[0], [1], [2], [3]]  # ZBV: 2 chunks a rank, whole blocks
     assert report["best"]["atoll"]["schedule"] in ("zb_h2", "zbv")
     assert report["best"]["atoll_async"]["schedule"] in ("zb_h2", "zbv") and report["best"]["torch"]["steps_per_s"] > 0
@@ -79,6 +84,7 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     assert (
         report["best"]["atoll_resident"]["schedule"] in ("zb_h2", "zbv")
         and report["best"]["ratio_atoll_resident_over_torch"] > 0
+        and report["best"]["ratio_atoll_resident_steady_over_torch"] > 0
     )
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
     candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}

@@ -7,9 +7,10 @@ measured on the workers when the client calibrated (``JobConfig.schedule_costs``
 stage and kind: computes, and the optimizer step and the posting of transfers as measured; each
 candidate's own where it was calibrated under its own order, ``costs_for``), else
 in units of the stages' forward FLOPs (a backward twice its forward, each half of a split one
-once), two steps back to back less one (``simulate.steady_step``: how training sends its steps).
-The time data spends on the wire is not simulated. The report lists each candidate's predicted
-step time (and that of a step on its own) and why the choice won.
+once), two steps back to back less one (``simulate.steady_step``: how training sends its steps),
+plus what the calibration measured a step back to back to cost beyond that. The time data spends
+on the wire is not simulated. The report lists each candidate's predicted step time (and that of
+a step on its own) and why the choice won.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
 from atoll.core.config import JobConfig
 from atoll.core.dataflow import Dataflow, Routes
-from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST, STEP_ROUND_TRIP_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_BACK_TO_BACK_OVERHEAD_COST, STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
 
 EQUAL = 1e-9
@@ -36,8 +37,8 @@ class Candidate:
     schedule: str
     predicted_step_s: float
     """The simulated step at the costs as it runs after another (simulate.steady_step: steps
-    sent together or ahead, as training runs them), plus the measured step overhead less its
-    round trip, which the next step hides (in forward-FLOP units without measured costs). The
+    sent together or ahead, as training runs them), plus the overhead measured so
+    (``STEP_BACK_TO_BACK_OVERHEAD_COST``; in forward-FLOP units without measured costs). The
     choice is made on it."""
     predicted_bubble_fraction: float
     predicted_lone_step_s: float
@@ -103,11 +104,11 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
         costs = costs_for(cfg.schedule_costs, name)
         cost = durations(costs, flops)
         overhead = float(costs.get(STEP_OVERHEAD_COST, 0.0))
-        hidden = float(costs.get(STEP_ROUND_TRIP_COST, 0.0))  # by the next step, sent while one runs
+        together = float(costs.get(STEP_BACK_TO_BACK_OVERHEAD_COST, overhead))
         placed = dataclasses.replace(topo, schedule=name)
         routes = Routes(dataflow, placed.stage_ranks)
         steady = steady_step(lower(build_schedule(placed), placed, routes).actions, placed, routes, cost)
-        rows.append(Candidate(name, steady.step + overhead - hidden, steady.bubble_fraction, steady.lone + overhead))
+        rows.append(Candidate(name, steady.step + together, steady.bubble_fraction, steady.lone + overhead))
     # the fastest, however narrowly; of equal ones (to float rounding) the one listed first (the
     # fewer stashed microbatches). A 2% margin that gave near-ties to the one listed first chose,
     # in one bench run, 1F1B predicted 1.7% behind ZB-H1 and measured 9% behind it

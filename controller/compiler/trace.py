@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from atoll._rpc import atoll_pb2 as pb
 from atoll.controller.compiler.pipeline import CompiledPipeline
-from atoll.controller.compiler.simulate import Timeline, matching_recvs, simulate
+from atoll.controller.compiler.simulate import Timeline, matching_recvs, simulate, steady_step
 from atoll.core.actions import Action, ActionSpec
 
 MEASURED_PID, PREDICTED_PID = 1, 2
@@ -204,9 +204,15 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
     planned = simulated_bubbles(compiled.timeline)
     at_costs: dict[int, float] = {}
     mean: dict[tuple[int, ActionSpec], float] = {}
+    steady_s = None
     if trained:  # the plan's schedule, simulated with the costs its actions had in these steps
         mean = mean_costs([by_step[step] for step in trained])
-        timeline = simulate(compiled.lowered.actions, topo, compiled.routes, lambda a: mean.get((a.stage, a.kind), 0.0))
+
+        def measured(a: Action) -> float:
+            return mean.get((a.stage, a.kind), 0.0)
+
+        timeline = simulate(compiled.lowered.actions, topo, compiled.routes, measured)
+        steady_s = steady_step(compiled.lowered.actions, topo, compiled.routes, measured).step
         at_costs = simulated_bubbles(timeline)
         for step, start in trained.items():
             _predicted_rows(timeline, start, origin, step, events)
@@ -237,6 +243,8 @@ def build(compiled: CompiledPipeline, workers: Sequence[WorkerSteps]) -> tuple[d
         # seconds per action by stage and kind ("0F", "2B", "1I", "0STEP"): what schedule="auto" simulates with
         "measured_costs": {f"{stage}{kind.code}": s for (stage, kind), s in mean.items()},
         "predicted_step_s_at_measured_costs": timeline.makespan if trained else None,
+        # the same costs, a step as it runs after another (simulate.steady_step)
+        "predicted_steady_step_s_at_measured_costs": steady_s,
         "measured_step_window_s": statistics.median(windows_s) if windows_s else None,
     }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"atoll": summary}}, summary

@@ -4,13 +4,14 @@ The job is loaded once per candidate schedule, as throw-away copies beside each 
 train a few steps on the example batch, one step of each in turn (a machine whose speed drifts
 from minute to minute then slows them all alike), the workers' timelines give each stage's
 forward, backward and backward halves in seconds (less the waits on the data plane inside them),
-and the copies are closed. The copies are on the workers together: their memory adds up. The
-real job starts from the model's own weights with those costs (``JobConfig.schedule_costs``),
-and the compiler simulates every candidate schedule at its own
-(controller/compiler/autoschedule.py). Each candidate is measured under its own order because an
-action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, GPipe's forwards one
-after another ran 17% faster per step than 1F1B's alternation, which costs measured under 1F1B
-did not predict.
+then each copy in turn runs a few rounds of steps back to back, as training sends them (two calls
+of ``CALL_STEPS`` sent together), and the copies are closed. The copies are on the workers
+together: their memory adds up. The real job starts from the model's own weights with those
+costs (``JobConfig.schedule_costs``), and the compiler simulates every candidate schedule at its
+own (controller/compiler/autoschedule.py). Each candidate is measured under its own order because
+an action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, GPipe's forwards
+one after another ran 17% faster per step than 1F1B's alternation, which costs measured under
+1F1B did not predict.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import statistics
 import time
 
 from atoll.core.config import JobConfig
-from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_OVERHEAD_COST, STEP_ROUND_TRIP_COST
+from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_BACK_TO_BACK_OVERHEAD_COST, STEP_OVERHEAD_COST
 
 CALIBRATION_STEPS = 10
 """Steps each calibration copy trains; the first warms up and is not measured. One step's wall
@@ -29,13 +30,20 @@ bench/pipeline.py, 2 ranks: 181-302 ms for 1F1B's 14 steps in one run, with no t
 first steps to the later ones): the median of nine, not the mean of two, is what a prediction
 within 10% needs."""
 
-MAX_CALIBRATION_STEPS = 30
-"""While the two fastest copies' median steps lie within ``CLOSE`` of each other, every copy
-trains one more step, up to this many in all: a longer measurement only where the choice is
-close. The median of nine such steps is itself about 5% uncertain, and with ten steps two
-candidates measured apart in the bench afterwards had been read level (the GPT example: 1F1B and
-GPipe predicted 0.2% apart, GPipe then measured 5% faster; the MLP job at 4 stages: GPipe
-predicted 4% ahead, ZB-H1 then measured 6% faster)."""
+CALL_STEPS = 4
+"""Steps to a call in the back-to-back rounds (``back_to_back``), as bench/pipeline.py sends them
+by default (examples/train_gpt.py: 8)."""
+
+BACK_TO_BACK_ROUNDS = 3
+"""Back-to-back rounds each copy runs (``back_to_back``), one copy after another in turn."""
+
+MAX_BACK_TO_BACK_ROUNDS = 8
+"""While the two fastest copies' median back-to-back steps lie within ``CLOSE`` of each other,
+every copy runs one more round, up to this many in all: a longer measurement only where the
+choice (made on a step back to back) is close. With ten steps waited for, two candidates measured
+apart in the bench afterwards had been read level (the GPT example: 1F1B and GPipe predicted 0.2%
+apart, GPipe then measured 5% faster; the MLP job at 4 stages: GPipe predicted 4% ahead, ZB-H1
+then measured 6% faster)."""
 
 CLOSE = 0.05
 """How near (relative) the two fastest copies' median steps must be for the calibration to go on."""
@@ -58,16 +66,19 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
     ]
 
 
-def costs_of(summary: dict, wall_s: float) -> dict[str, float]:
-    """One calibration copy's costs from its timeline summary and its steps' median wall time: each
-    action's seconds, the step's time beyond what the simulation of its own schedule at those
-    seconds gives (the control path, which every schedule pays alike), and of that the part
-    outside the workers' compute window (the call's way in and out, which steps sent together hide)."""
+def costs_of(summary: dict, wall_s: float, back_to_back_s: float | None = None) -> dict[str, float]:
+    """One calibration copy's costs from its timeline summary, its steps' median wall time waited
+    for and its median step back to back: each action's seconds; the step's time beyond what the
+    simulation of its own schedule at those seconds gives (the control path, which every schedule
+    pays alike); and a step back to back beyond its simulation so (simulate.steady_step): what
+    steps sent together still pay, the batch's bytes arriving on cores the stages compute on
+    among it, where the call's way in and out is hidden by the next call."""
     predicted = summary.get("predicted_step_s_at_measured_costs") or 0.0
-    overhead = max(0.0, wall_s - predicted)
-    window = summary.get("measured_step_window_s")
-    round_trip = 0.0 if window is None else min(overhead, max(0.0, wall_s - window))
-    return {**summary["measured_costs"], STEP_OVERHEAD_COST: overhead, STEP_ROUND_TRIP_COST: round_trip}
+    costs = {**summary["measured_costs"], STEP_OVERHEAD_COST: max(0.0, wall_s - predicted)}
+    steady = summary.get("predicted_steady_step_s_at_measured_costs")
+    if back_to_back_s is not None and steady is not None:
+        costs[STEP_BACK_TO_BACK_OVERHEAD_COST] = max(0.0, back_to_back_s - steady)
+    return costs
 
 
 def close_call(walls: list[list[float]]) -> bool:
@@ -76,10 +87,25 @@ def close_call(walls: list[list[float]]) -> bool:
     return len(medians) > 1 and medians[1] <= medians[0] * (1 + CLOSE)
 
 
+def back_to_back(job, batch: tuple) -> float:
+    """Seconds per step of a call run right after another: two calls of ``CALL_STEPS`` steps sent
+    together, the time between their ends over ``CALL_STEPS``. The second call waits on the
+    workers while the first runs, so no call's way in lies between the two ends, and each end
+    carries the same way back to the client."""
+    first = job.steps_async([batch] * CALL_STEPS)[-1]
+    second = job.steps_async([batch] * CALL_STEPS)[-1]
+    first.result()
+    ended = time.perf_counter()
+    second.result()
+    return (time.perf_counter() - ended) / CALL_STEPS
+
+
 def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict[str, float]]:
     """Load every copy (``submit(config)`` returns its Job), train them ``CALIBRATION_STEPS``
-    steps on ``batch`` one step of each in turn (up to ``MAX_CALIBRATION_STEPS`` while the
-    fastest two are a ``close_call``), close them; each schedule's ``costs_of``."""
+    steps on ``batch`` one step of each in turn and read their timelines, then run
+    ``BACK_TO_BACK_ROUNDS`` rounds of ``back_to_back`` one copy after another (up to
+    ``MAX_BACK_TO_BACK_ROUNDS`` while the fastest two are a ``close_call``), close them; each
+    schedule's ``costs_of``."""
     jobs = []
     try:
         for config in configs:
@@ -87,16 +113,21 @@ def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict
         for job in jobs:
             job.step(*batch)  # the first step warms up
         walls: list[list[float]] = [[] for _ in jobs]
-        measured = 0
-        while measured < CALIBRATION_STEPS - 1 or (measured < MAX_CALIBRATION_STEPS - 1 and close_call(walls)):
+        for _ in range(CALIBRATION_STEPS - 1):
             for job, times in zip(jobs, walls):
                 started = time.perf_counter()
                 job.step(*batch)
                 times.append(time.perf_counter() - started)
-            measured += 1
+        summaries = [job.timeline(last=CALIBRATION_STEPS - 1).summary for job in jobs]
+        together: list[list[float]] = [[] for _ in jobs]
+        rounds = 0
+        while rounds < BACK_TO_BACK_ROUNDS or (rounds < MAX_BACK_TO_BACK_ROUNDS and close_call(together)):
+            for job, times in zip(jobs, together):
+                times.append(back_to_back(job, batch))
+            rounds += 1
         return {
-            config.schedule: costs_of(job.timeline(last=measured).summary, statistics.median(times))
-            for config, job, times in zip(configs, jobs, walls)
+            config.schedule: costs_of(summary, statistics.median(lone), statistics.median(steps))
+            for config, summary, lone, steps in zip(configs, summaries, walls, together)
         }
     finally:
         for job in jobs:

@@ -14,10 +14,10 @@ microbatches than ZB-H2 and GPipe)."""
 STEP_OVERHEAD_COST = "step_overhead_s"
 """In ``JobConfig.schedule_costs``, beside the per-action seconds: what a step costs beyond its
 simulated actions (the control path, measured at calibration), added to the candidate's step."""
-STEP_ROUND_TRIP_COST = "step_round_trip_s"
-"""The part of that overhead outside the workers' step (the call from the client to the first
-action and back from the last), which steps sent together or ahead hide: left out of the
-candidate's step back to back."""
+STEP_BACK_TO_BACK_OVERHEAD_COST = "step_back_to_back_overhead_s"
+"""Beside it: what a step sent together with others costs beyond its simulation back to back
+(measured at calibration, atoll.client.calibrate.back_to_back), added to the candidate's step back
+to back. Without it, that step carries the whole ``STEP_OVERHEAD_COST``."""
 SCHEDULE_COST_SEPARATOR = "/"
 """In ``JobConfig.schedule_costs``, "gpipe/0F": a cost measured under that schedule, used for it
 before the unnamed "0F" (atoll.client.calibrate)."""
