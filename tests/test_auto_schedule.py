@@ -158,6 +158,9 @@ def test_the_measured_step_overhead_is_added_to_every_candidate():
         assert loaded[c.schedule].predicted_lone_step_s == c.predicted_lone_step_s + 2.5
         assert loaded[c.schedule].predicted_step_s == c.predicted_step_s + 1.0
         assert lone[c.schedule].predicted_step_s == c.predicted_step_s + 2.5  # not measured: the whole overhead
+    # back to back measured slower than on its own (noise): predicted no slower than on its own
+    slow = {c.schedule: c for c in _compile(schedule_costs=costs_of(summary, 15.5, 40.0)).schedule_choice.candidates}
+    assert all(c.predicted_step_s == c.predicted_lone_step_s for c in slow.values())
 
 
 class _Copy:
