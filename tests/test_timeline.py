@@ -61,7 +61,7 @@ def test_trace_json_has_a_row_per_worker_and_predicted_rows(gpipe_run):
     assert rank0 == [f"0F{m}" for m in range(MICROBATCHES)] + [f"0B{m}" for m in range(MICROBATCHES)]
     assert trace.summary["predicted_rows_for_steps"] == trace.summary["steps"]
     # each step's compute window, its first action to its last on any worker: within the step
-    # (a schedule="auto" calibration subtracts it from the step's wall time: the call's round trip)
+    # (the step's time on the workers; its wall time from the client adds the call's way in and out)
     spans = [e for e in _spans(events, 1) if e["args"]["step"] == first]
     window_s = (max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)) / 1e6
     assert 0 < trace.summary["measured_step_window_s"] <= 2 * window_s
