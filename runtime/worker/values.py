@@ -22,7 +22,7 @@ import grpc
 import torch
 
 from atoll.core.wire import TensorSpec, dtype_name, replica_rows, tensor_bytes, tensor_from_bytes
-from atoll.errors import DeadlineExceeded, InvalidInput, NotFound, Unauthenticated, from_status
+from atoll.errors import AtollError, DeadlineExceeded, InvalidInput, NotFound, Unauthenticated, from_status
 from atoll.net import address as _address
 
 
@@ -102,7 +102,8 @@ class ValueStore:
                 value = self.get(value_id, rows)
                 data = tensor_bytes(value)
                 header = {"dtype": dtype_name(value.dtype), "shape": list(value.shape), "nbytes": len(data)}
-            except _REFUSALS as e:
+            except AtollError as e:  # a refusal: its reason and its kind's gRPC status code, which
+                # ``pull`` raises as that class (atoll.errors.from_status), as a client does for a daemon's
                 header, data = {"error": str(e), "code": e.code.name}, b""
             except (OSError, ConnectionError, UnicodeDecodeError):
                 return
@@ -121,11 +122,6 @@ class ValueStore:
             self._server.close()
         except OSError:
             pass
-
-
-_REFUSALS = (NotFound, InvalidInput, Unauthenticated)
-"""What the server answers with its reason and its gRPC status code; ``pull`` raises the class of
-that code (atoll.errors.from_status), as a client does for a daemon's refusal."""
 
 
 def _parse_ask(asked: str) -> tuple[str, tuple[int, int]]:
