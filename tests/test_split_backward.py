@@ -143,3 +143,41 @@ def test_weight_halves_add_linear_gradients_in_place_over_microbatches(first_sta
         backward_weight(half, list(twin.parameters()))
     for (name, ref), got in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class NormedBlock(nn.Module):
+    """A pre-norm residual block, as a transformer's: layer norms whose weight and bias hang
+    straight off their backward node, and linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.a, self.b = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(self.norm(x))))
+
+
+def test_weight_halves_of_a_normed_block_match_over_microbatches_and_record_no_graph():
+    """Each group takes the cheapest path (a layer norm's weight and bias from its node called
+    directly, a linear layer's in place), two microbatches' halves sum to the full backwards'
+    gradients, and, run in grad mode as a training step runs them, the gradients carry no autograd
+    graph (one would keep every microbatch's forward graph alive until they are zeroed)."""
+    torch.manual_seed(0)
+    model = NormedBlock().double()
+    twin = copy.deepcopy(model)
+    for _ in range(2):
+        x = torch.randn(2, 3, 8, dtype=torch.float64)
+        grad = torch.randn(2, 3, 8, dtype=torch.float64)
+        torch.autograd.backward([model(x.requires_grad_())], [grad])
+        x_twin = x.detach().clone().requires_grad_()
+        half = backward_input([twin(x_twin)], [grad], [x_twin], list(twin.parameters()))
+        assert sorted((g.direct is not None, g.linear is not None) for g in half.groups) == [
+            (False, True),
+            (False, True),
+            (True, False),
+        ]
+        assert torch.is_grad_enabled()
+        backward_weight(half, list(twin.parameters()))
+    for (name, ref), got in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-12, atol=1e-12, msg=name)
+        assert got.grad.grad_fn is None and not got.grad.requires_grad, name
