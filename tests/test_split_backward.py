@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from atoll.core import split_backward
 from atoll.core.memory import storage_key
 from atoll.core.split_backward import backward_input, backward_weight, held_bytes
 
@@ -181,3 +182,21 @@ def test_weight_halves_of_a_normed_block_match_over_microbatches_and_record_no_g
     for (name, ref), got in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-12, atol=1e-12, msg=name)
         assert got.grad.grad_fn is None and not got.grad.requires_grad, name
+
+
+@pytest.mark.parametrize("through", ["direct", "autograd"])
+def test_a_gradient_passed_on_as_given_is_copied_not_taken(monkeypatch, through):
+    """An add's backward passes the gradient it is given on as it is: an input and a weight added
+    to make a stage's output get the output's gradient itself, a receive buffer the next
+    microbatch overwrites. Their ``.grad`` are copies, whichever way the weight half runs."""
+    if through == "autograd":
+        monkeypatch.setattr(split_backward, "DIRECT_NODES", frozenset())
+    x = torch.randn(4, 8, requires_grad=True)
+    shift = nn.Parameter(torch.zeros(4, 8))
+    grad = torch.randn(4, 8)
+    half = backward_input([x + shift], [grad], [x], [shift])
+    assert [g.direct is not None for g in half.groups] == [through == "direct"]
+    backward_weight(half, [shift])
+    assert torch.equal(shift.grad, grad) and torch.equal(x.grad, grad)
+    grad.zero_()  # the buffer taken by the next microbatch
+    assert shift.grad.abs().sum() > 0 and x.grad.abs().sum() > 0

@@ -117,7 +117,7 @@ def backward_input(
     if groups is None:  # the fallback: the weight half runs the whole backward
         if wanted:
             grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
-            _accumulate(wanted, grads)
+            _accumulate(wanted, grads, root_grads or [])
         return WeightHalf(None, roots, root_grads)
     for group in groups:
         if len(group.frontier) == 1:
@@ -132,7 +132,7 @@ def backward_input(
     finally:
         for hook in hooks:
             hook.remove()
-    _accumulate(wanted, grads)
+    _accumulate(wanted, grads, root_grads or [])
     # The outputs keep the graph above the frontier alive until W (torch detaches them in place
     # here, which breaks a weight half that reads an output saved by its own op, as tanh saves its
     # result); the plan counts a microbatch's whole stash as held until W.
@@ -183,15 +183,25 @@ def _keeper(kept: dict, node: Node):
     return hook
 
 
-def _accumulate(tensors: list[torch.Tensor], grads, ready: Callable[[torch.Tensor], None] | None = None) -> None:
+def _accumulate(
+    tensors: list[torch.Tensor],
+    grads,
+    given: list[torch.Tensor | None],
+    ready: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Into ``.grad``, as autograd accumulates: the first taken in the tensor's own layout (a
     weight's gradient comes out of its transpose's backward transposed), later ones added in
-    place; each tensor added to handed to ``ready``, as autograd calls a post-accumulate hook."""
+    place; each tensor added to handed to ``ready``, as autograd calls a post-accumulate hook.
+    A gradient on the storage of one of the ``given`` ones (the gradients the pass started
+    from, which an add's backward passes on as they are: a receive buffer the next microbatch
+    overwrites) is copied, as autograd copies a gradient something else still holds."""
+    borrowed = {storage_key(g) for g in given if g is not None}
     for t, g in zip(tensors, grads):
         if g is None:
             continue
         if t.grad is None:
-            t.grad = g if g.stride() == t.stride() else g.clone(memory_format=torch.contiguous_format)
+            own = g.stride() == t.stride() and storage_key(g) not in borrowed
+            t.grad = g if own else g.clone(memory_format=torch.contiguous_format)
         else:
             t.grad.add_(g)
         if ready is not None:
@@ -253,7 +263,7 @@ def _weight_gradients(group: Group, ready: Callable[[torch.Tensor], None] | None
     finally:
         for hook in hooks:
             hook.remove()
-    _accumulate(list(group.weights.values()), found, ready)
+    _accumulate(list(group.weights.values()), found, grads, ready)
 
 
 def _direct(group: Group, ready: Callable[[torch.Tensor], None] | None) -> None:
@@ -272,4 +282,4 @@ def _direct(group: Group, ready: Callable[[torch.Tensor], None] | None) -> None:
         if g is not None and g.shape != weight.shape:
             g = g.sum_to_size(weight.shape)
         grads.append(g if g is None or g.dtype == weight.dtype else g.to(weight.dtype))
-    _accumulate(list(group.weights.values()), grads, ready)
+    _accumulate(list(group.weights.values()), grads, kept, ready)
