@@ -176,6 +176,12 @@ to a call on batches held by the workers, whose rate is also read from its first
 ``AtollSide.run``), each with its report key of per-round ratios."""
 
 
+def steady_round_steps(args) -> int:
+    """Steps of a round whose ``AtollSide.steady_rate`` is read: two calls at least, so that a
+    rate from the first call's end to the last's exists."""
+    return max(args.steps, 2 * args.steps_per_call)
+
+
 class AtollSide:
     def __init__(self, client, model, batches, args, schedule: str, virtual: int):
         x, y = batches[0]
@@ -439,7 +445,7 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
-            r_steps = max(args.steps, 2 * args.steps_per_call)  # two calls at least: a steady rate
+            r_steps = steady_round_steps(args)
             r_rate, _ = atoll.run(r_steps, per_call=args.steps_per_call, resident=True)
             s_rate = atoll.steady_rate
             if args.device == "cpu":  # the round closest to the limit: no batch crosses the cores
@@ -561,7 +567,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         waited: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name, side in sides.items():
-                side.run(max(args.steps, 2 * args.steps_per_call), per_call=args.steps_per_call)
+                side.run(steady_round_steps(args), per_call=args.steps_per_call)
                 together[name].append(side.steady_rate)
                 waited[name].append(side.run(args.steps)[0])
     finally:
