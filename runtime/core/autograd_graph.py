@@ -34,6 +34,28 @@ def parents_of(roots: list[Node]) -> dict[Node, list[Node]]:
     return parents
 
 
+def walk(roots: list[Node]) -> tuple[list[Node], tuple]:
+    """The nodes below ``roots`` in breadth-first order, and the graph's shape: each node's type
+    and its edges as positions in that order (with the edges' input numbers). Two graphs of the
+    same shape are the same graph but for the nodes' identities and saved values, so what is
+    found by position in one holds in the other (atoll.core.split_backward.Layouts)."""
+    order = list(dict.fromkeys(roots))
+    position = {node: i for i, node in enumerate(order)}
+    shape: list = []
+    for node in order:  # grows while it is read
+        shape.append(type(node))
+        for child, input_nr in node.next_functions:
+            if child is None:
+                shape.append(-1)
+                continue
+            i = position.get(child)
+            if i is None:
+                i = position[child] = len(order)
+                order.append(child)
+            shape += (i, input_nr)
+    return order, tuple(shape)
+
+
 def above(start: list[Node], parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
     """Nodes from ``start`` up towards the outputs, not passing ``stop``: (reached, stops met)."""
     reached, met = set(start), set()

@@ -73,12 +73,12 @@ def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list
             if node._saved_alpha != 1 or node._saved_beta != 1:
                 return None
             (bias_fn, _), (source, _), (transpose, _) = node.next_functions
-            x = node._saved_mat1
         elif name == "MmBackward0":
             (source, _), (transpose, _) = node.next_functions
-            bias_fn, x = None, node._saved_self
+            bias_fn = None
         else:
             return None
+        x = saved_input(node)
     except AttributeError:
         return None
     if _name(transpose) != "TBackward0" or parents.get(transpose) != [node]:
@@ -95,6 +95,11 @@ def find(node: Node, weights: dict[Node, torch.Tensor], parents: dict[Node, list
     if x.dim() != 2 or x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         return None
     return Linear(node, x, source, weight, bias)
+
+
+def saved_input(node: Node) -> torch.Tensor:
+    """The input a linear layer's product node (``find``) saved for its weight's gradient."""
+    return node._saved_mat1 if _name(node) == "AddmmBackward0" else node._saved_self
 
 
 def worth_fusing(weights: list[torch.Tensor]) -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -46,6 +47,9 @@ from torch.autograd.graph import GradientEdge, Node
 from atoll.core import linear_grads
 from atoll.core.autograd_graph import above, node_of, parents_of
 from atoll.core.memory import storage_bytes, storage_key
+
+if TYPE_CHECKING:
+    from atoll.core.split_layouts import Layouts
 
 
 @dataclass(eq=False)
@@ -104,31 +108,28 @@ def _groups(
 
 
 def backward_input(
-    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, inputs: list[torch.Tensor], weights
+    roots: list[torch.Tensor],
+    root_grads: list[torch.Tensor] | None,
+    inputs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    layouts: Layouts | None = None,
 ) -> WeightHalf:
     """Compute the gradients of ``inputs`` (into their ``.grad``) from ``roots`` (the stage's
-    outputs with ``root_grads``, or its loss with None), keeping what ``backward_weight`` needs."""
+    outputs with ``root_grads``, or its loss with None), keeping what ``backward_weight`` needs.
+    ``layouts``: the stage's analysis kept from its earlier microbatches (a worker's, see
+    ``Layouts``); without it the graph is analysed afresh."""
     wanted = [t for t in inputs if t.requires_grad]
     if not roots:  # no output carries a gradient (an integer-only edge): nothing to do in either half
         return WeightHalf(None, [], None)
-    root_nodes = [n for n in map(node_of, roots) if n is not None]
-    parents = parents_of(root_nodes)
-    by_node = {n: w for w in weights if (n := node_of(w)) is not None and n in parents}
-    input_nodes = [n for n in map(node_of, wanted) if n is not None]
-    towards_inputs, _ = above(input_nodes, parents, set())
-    groups = _groups(by_node, parents, towards_inputs, set(root_nodes) - towards_inputs) if wanted else None
+    groups = None
+    if wanted:
+        root_nodes = [n for n in map(node_of, roots) if n is not None]
+        groups = (layouts.groups if layouts is not None else analyse)(root_nodes, wanted, weights)
     if groups is None:  # the fallback: the weight half runs the whole backward
         if wanted:
             grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
             _accumulate(wanted, grads, root_grads or [])
         return WeightHalf(None, roots, root_grads)
-    for group in groups:
-        if len(group.frontier) == 1:
-            linear = linear_grads.find(group.frontier[0], group.weights, parents)
-            if linear is not None and len(group.weights) == 1 + (linear.bias is not None):
-                group.linear = linear
-            else:
-                group.direct = _direct_positions(group.frontier[0], group.weights)
     hooks = [node.register_prehook(_keeper(group.kept, node)) for group in groups for node in group.frontier]
     try:
         grads = torch.autograd.grad(roots, wanted, root_grads, retain_graph=True, allow_unused=True)
@@ -140,6 +141,24 @@ def backward_input(
     # here, which breaks a weight half that reads an output saved by its own op, as tanh saves its
     # result); the plan counts a microbatch's whole stash as held until W.
     return WeightHalf(groups, [], None)
+
+
+def analyse(root_nodes: list[Node], wanted: list[torch.Tensor], weights: list[torch.Tensor]) -> list[Group] | None:
+    """The weight groups of the graph under ``root_nodes``, each with how its weight half runs
+    (``_weight_gradients``); None where the frontier does not reach every weight (the fallback)."""
+    parents = parents_of(root_nodes)
+    by_node = {n: w for w in weights if (n := node_of(w)) is not None and n in parents}
+    input_nodes = [n for n in map(node_of, wanted) if n is not None]
+    towards_inputs, _ = above(input_nodes, parents, set())
+    groups = _groups(by_node, parents, towards_inputs, set(root_nodes) - towards_inputs)
+    for group in groups or ():
+        if len(group.frontier) == 1:
+            linear = linear_grads.find(group.frontier[0], group.weights, parents)
+            if linear is not None and len(group.weights) == 1 + (linear.bias is not None):
+                group.linear = linear
+            else:
+                group.direct = _direct_positions(group.frontier[0], group.weights)
+    return groups
 
 
 def held_bytes(half: WeightHalf, root_grads: list[torch.Tensor] | None, exclude: set[int]) -> int:

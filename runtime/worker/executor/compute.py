@@ -215,7 +215,7 @@ def backward_input(ex: PipelineExecutor, action: Action, state: StepState) -> No
     if (s, m) in state.weight_halves:
         raise RuntimeError(f"{action} computed twice")
     roots, grads = _roots(ex, action, state, stash.outputs)
-    half = split_backward.backward_input(roots, grads, stash.inputs, ex.stage_params[s])
+    half = split_backward.backward_input(roots, grads, stash.inputs, ex.stage_params[s], ex.split_layouts[s])
     held = split_backward.held_bytes(half, grads, ex.not_activations)
     state.weight_halves[(s, m)] = (half, held)
     state.activation_bytes += held

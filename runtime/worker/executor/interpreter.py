@@ -24,6 +24,7 @@ from atoll.core.memory import GradientBytes, MemorySnapshot, storage_bytes, stor
 from atoll.core.names import STEP_MODES
 from atoll.core.optim import build_optimizer
 from atoll.core.spans import WAIT, History, StepSpans
+from atoll.core.split_layouts import Layouts
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
 from atoll.worker.executor import checkpoint, compute, transfers, update  # noqa: F401 (they register their handlers)
@@ -103,6 +104,8 @@ class PipelineExecutor:
         self.stage_params = {s.index: [p for _, p in s.graph.named_parameters() if p.requires_grad] for s in stages}
         self.params = [p for ps in self.stage_params.values() for p in ps]
         self.fuse_linear_grads = {s: linear_grads.worth_fusing(ps) for s, ps in self.stage_params.items()}
+        # the split backward's analysis of each stage's graph, kept across microbatches
+        self.split_layouts = {s: Layouts() for s in self.stage_params}
         """Stages whose backward adds linear layers' weight gradients in place (atoll.core.linear_grads)."""
         self.base = base
         # ZeRO: the parameters move into one flat buffer; this replica's optimizer steps its shard
