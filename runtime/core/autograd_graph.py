@@ -38,7 +38,7 @@ def walk(roots: list[Node]) -> tuple[list[Node], tuple]:
     """The nodes below ``roots`` in breadth-first order, and the graph's shape: each node's type
     and its edges as positions in that order (with the edges' input numbers). Two graphs of the
     same shape are the same graph but for the nodes' identities and saved values, so what is
-    found by position in one holds in the other (atoll.core.split_backward.Layouts)."""
+    found by position in one holds in the other (atoll.core.split_layouts.Layouts)."""
     order = list(dict.fromkeys(roots))
     position = {node: i for i, node in enumerate(order)}
     shape: list = []
