@@ -8,14 +8,17 @@
 Schedules: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, ZBV and DualPipeV, each run by atoll and
 by torch's own class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at one stage per rank;
 torch has no ZB-H2, so its row runs torch's ZB-H1, named in ``torch_schedule``). ``best``
-compares each side's fastest schedule, as a user picking one would. ``auto`` (atoll alone: torch
-has no such schedule) reports what ``schedule="auto"`` chose after calibrating, its predicted step
-time against the measured one, and the measured rate of each candidate the run also measured. On CPU each row also gives
-the physical limit: the busiest rank's forward and backward work per microbatch times the
-microbatches, as steps per second, and atoll's share of it; measured with each rank's work in a
-process alone, and again with all ranks' at once (``contended_limit``: what the ranks pay for
-sharing the machine's memory and cache; bench/stage_limit.py), with each side's share of that
-(atoll's with steps waited for, sent ahead and several to a call).
+compares each side's fastest schedule, as a user picking one would (and, in
+``best.by_share_of_limit``, each side's schedule with the largest share of the physical limit
+measured beside it: the rows run minutes apart, and the machine's drift between them cancels).
+``auto`` (atoll alone: torch has no such schedule) reports what ``schedule="auto"`` chose after
+calibrating, its predicted step time against the measured one, and the measured rate of each
+candidate the run also measured. On CPU each row also gives the physical limit: the busiest
+rank's forward and backward work per microbatch times the microbatches, as steps per second, and
+atoll's share of it; measured with each rank's work in a process alone, and again with all
+ranks' at once (``contended_limit``: what the ranks pay for sharing the machine's memory and
+cache; bench/stage_limit.py), with each side's share of that (atoll's with steps waited for,
+sent ahead and several to a call).
 The limit is measured in every round, after the two sides' rates, and each share is the median
 of the rounds' own (rate / that round's limit), so the machine's drift over minutes cancels.
 Beside the limit's figures per microbatch, ``atoll_compute_ms_per_microbatch_per_rank`` gives the
@@ -605,6 +608,24 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     return row
 
 
+def best_by_share(rows: list[dict]) -> dict | None:
+    """Each side's best schedule by its share of the physical limit instead of its raw rate, and
+    the ratio of those shares. The rows run minutes apart and the machine drifts between them
+    (the limit moved 8.5 to 9.5 steps/s between the rows of one 2-stage run): each share is taken
+    against the limit measured in the same rounds as the rate, so the drift cancels, where the raw
+    best-against-best ratio compares two rows' rates measured at different times. None without
+    limits (``--device cuda``)."""
+    if not rows or "torch_share_of_limit" not in rows[0]:
+        return None
+    theirs = max(rows, key=lambda r: r["torch_share_of_limit"])
+    best = {"torch": {"schedule": theirs["torch_schedule"], "share": theirs["torch_share_of_limit"]}}
+    for side in ATOLL_SIDES:
+        ours = max(rows, key=lambda r: r[f"{side}_share_of_limit"])
+        best[side] = {"schedule": ours["schedule"], "share": ours[f"{side}_share_of_limit"]}
+        best[f"ratio_{side}_over_torch"] = round(ours[f"{side}_share_of_limit"] / theirs["torch_share_of_limit"], 3)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zb_h2,zbv,dualpipev,auto")
@@ -673,6 +694,7 @@ def main() -> None:
             ours = max(rows, key=lambda r: r[f"{side}_steps_per_s"])
             best[side] = {"schedule": ours["schedule"], "steps_per_s": ours[f"{side}_steps_per_s"]}
             best[f"ratio_{side}_over_torch"] = round(ours[f"{side}_steps_per_s"] / torch_rate, 3)
+        best["by_share_of_limit"] = best_by_share(rows)
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:

@@ -86,6 +86,17 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
         and report["best"]["ratio_atoll_resident_over_torch"] > 0
         and report["best"]["ratio_atoll_resident_steady_over_torch"] > 0
     )
+    # by share of the limit measured beside each row: each side's largest share, and their ratio
+    by_share = report["best"]["by_share_of_limit"]
+    assert by_share["torch"]["share"] == max(row["torch_share_of_limit"] for row in report["rows"])
+    resident = max(report["rows"], key=lambda row: row["atoll_resident_share_of_limit"])
+    assert by_share["atoll_resident"] == {
+        "schedule": resident["schedule"],
+        "share": resident["atoll_resident_share_of_limit"],
+    }
+    assert by_share["ratio_atoll_resident_over_torch"] == pytest.approx(
+        resident["atoll_resident_share_of_limit"] / by_share["torch"]["share"], abs=1e-3
+    )
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
     candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
     assert auto["chosen"] in candidates
