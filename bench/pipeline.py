@@ -608,21 +608,16 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     return row
 
 
-def best_by_share(rows: list[dict]) -> dict | None:
-    """Each side's best schedule by its share of the physical limit instead of its raw rate, and
-    the ratio of those shares. The rows run minutes apart and the machine drifts between them
-    (the limit moved 8.5 to 9.5 steps/s between the rows of one 2-stage run): each share is taken
-    against the limit measured in the same rounds as the rate, so the drift cancels, where the raw
-    best-against-best ratio compares two rows' rates measured at different times. None without
-    limits (``--device cuda``)."""
-    if not rows or "torch_share_of_limit" not in rows[0]:
-        return None
-    theirs = max(rows, key=lambda r: r["torch_share_of_limit"])
-    best = {"torch": {"schedule": theirs["torch_schedule"], "share": theirs["torch_share_of_limit"]}}
-    for side in ATOLL_SIDES:
-        ours = max(rows, key=lambda r: r[f"{side}_share_of_limit"])
-        best[side] = {"schedule": ours["schedule"], "share": ours[f"{side}_share_of_limit"]}
-        best[f"ratio_{side}_over_torch"] = round(ours[f"{side}_share_of_limit"] / theirs["torch_share_of_limit"], 3)
+def best_by(rows: list[dict], torch_key: str, atoll_key: str, label: str) -> dict:
+    """Each side's best schedule by a row's figure (``torch_key``; ``atoll_key`` with each of
+    atoll's ways for ``{side}``), under ``label``, and the ratio of atoll's to torch's."""
+    theirs = max(rows, key=lambda r: r[torch_key])
+    best = {"torch": {"schedule": theirs["torch_schedule"], label: theirs[torch_key]}}
+    for side in ATOLL_SIDES:  # each of atoll's ways at its own best schedule
+        key = atoll_key.format(side=side)
+        ours = max(rows, key=lambda r: r[key])
+        best[side] = {"schedule": ours["schedule"], label: ours[key]}
+        best[f"ratio_{side}_over_torch"] = round(ours[key] / theirs[torch_key], 3)
     return best
 
 
@@ -687,14 +682,11 @@ def main() -> None:
         auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None
     best = {}
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
-        theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
-        torch_rate = theirs["torch_pipelining_steps_per_s"]
-        best = {"torch": {"schedule": theirs["torch_schedule"], "steps_per_s": torch_rate}}
-        for side in ATOLL_SIDES:  # each of atoll's ways at its own fastest schedule
-            ours = max(rows, key=lambda r: r[f"{side}_steps_per_s"])
-            best[side] = {"schedule": ours["schedule"], "steps_per_s": ours[f"{side}_steps_per_s"]}
-            best[f"ratio_{side}_over_torch"] = round(ours[f"{side}_steps_per_s"] / torch_rate, 3)
-        best["by_share_of_limit"] = best_by_share(rows)
+        best = best_by(rows, "torch_pipelining_steps_per_s", "{side}_steps_per_s", "steps_per_s")
+        # and by its share of the limit measured in the same rounds as its rate: the rows run
+        # minutes apart and the machine drifts between them (the limit moved 8.5 to 9.5 steps/s
+        # over the rows of one 2-stage run); the shares cancel the drift
+        best["by_share_of_limit"] = best_by(rows, "torch_share_of_limit", "{side}_share_of_limit", "share")
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:

@@ -39,14 +39,17 @@ class _GroupLayout:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
+    shape: tuple
+    """The shape of the graph it was found on (``walk``'s)."""
     inputs: tuple[int, ...]
     """The positions of the wanted inputs' nodes."""
     groups: tuple[_GroupLayout, ...] | None
 
     @classmethod
-    def of(cls, groups: list[Group] | None, order: list[Node], wanted, weights) -> _Layout | None:
-        """``groups`` (``analyse``'s answer on the graph walked as ``order``) by position; None
-        where a node they name lies outside the walk (an input the graph does not use)."""
+    def of(cls, groups: list[Group] | None, order: list[Node], shape: tuple, wanted, weights) -> _Layout | None:
+        """``groups`` (``analyse``'s answer on the graph of ``shape`` walked as ``order``) by
+        position; None where a node they name lies outside the walk (an input the graph does not
+        use)."""
         position = {node: i for i, node in enumerate(order)}
         index = {id(w): i for i, w in enumerate(weights)}
         try:
@@ -64,7 +67,7 @@ class _Layout:
                 )
         except KeyError:
             return None
-        return cls(inputs, kept)
+        return cls(shape, inputs, kept)
 
     def bind(self, order: list[Node], wanted, weights):
         """The groups on the nodes of a graph of the same shape walked as ``order``: fresh
@@ -112,7 +115,6 @@ class Layouts:
     keeps its shape (see the module's docstring). A worker holds one per stage."""
 
     def __init__(self):
-        self._shape: tuple | None = None
         self._layout: _Layout | None = None
         self.analysed = 0
         """How many times the graph was analysed afresh (the first microbatch, or a new shape)."""
@@ -120,12 +122,11 @@ class Layouts:
     def groups(self, root_nodes: list[Node], wanted: list[torch.Tensor], weights: list[torch.Tensor]):
         """``split_backward.analyse``'s answer for this microbatch's graph."""
         order, shape = walk(root_nodes)
-        if self._layout is not None and shape == self._shape:
+        if self._layout is not None and shape == self._layout.shape:
             found = self._layout.bind(order, wanted, weights)
             if found is not _STALE:
                 return found
         groups = analyse(root_nodes, wanted, weights)
         self.analysed += 1
-        self._layout = _Layout.of(groups, order, wanted, weights)
-        self._shape = shape
+        self._layout = _Layout.of(groups, order, shape, wanted, weights)
         return groups

@@ -104,9 +104,9 @@ class PipelineExecutor:
         self.stage_params = {s.index: [p for _, p in s.graph.named_parameters() if p.requires_grad] for s in stages}
         self.params = [p for ps in self.stage_params.values() for p in ps]
         self.fuse_linear_grads = {s: linear_grads.worth_fusing(ps) for s, ps in self.stage_params.items()}
-        # the split backward's analysis of each stage's graph, kept across microbatches
-        self.split_layouts = {s: Layouts() for s in self.stage_params}
         """Stages whose backward adds linear layers' weight gradients in place (atoll.core.linear_grads)."""
+        self.split_layouts = {s: Layouts() for s in self.stage_params}
+        """Each stage's split-backward analysis, kept across microbatches (atoll.core.split_layouts)."""
         self.base = base
         # ZeRO: the parameters move into one flat buffer; this replica's optimizer steps its shard
         self.zero = None
