@@ -10,7 +10,9 @@ by torch's own class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at o
 torch has no ZB-H2, so its row runs torch's ZB-H1, named in ``torch_schedule``). ``best``
 compares each side's fastest schedule, as a user picking one would (and, in
 ``best.by_share_of_limit``, each side's schedule with the largest share of the physical limit
-measured beside it: the rows run minutes apart, and the machine's drift between them cancels).
+measured beside it: the rows run minutes apart, and the machine's drift between them cancels);
+``best.contended_limit_over_torch`` is what a schedule running at the contended limit (below)
+would show against torch's best, read in the rounds of torch's best row.
 ``auto`` (atoll alone: torch has no such schedule) reports what ``schedule="auto"`` chose after
 calibrating, its predicted step time against the measured one, and the measured rate of each
 candidate the run also measured. On CPU each row also gives the physical limit: the busiest
@@ -687,6 +689,11 @@ def main() -> None:
         # minutes apart and the machine drifts between them (the limit moved 8.5 to 9.5 steps/s
         # over the rows of one 2-stage run); the shares cancel the drift
         best["by_share_of_limit"] = best_by(rows, "torch_share_of_limit", "{side}_share_of_limit", "share")
+        # what a schedule running at the contended limit (every rank's forward and backward at
+        # once, no pipeline, no communication: about the most any schedule of this arithmetic
+        # gets from the machine) would show against torch's best, read in torch's best row's rounds
+        theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
+        best["contended_limit_over_torch"] = round(1 / theirs["torch_share_of_contended_limit"], 3)
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:

@@ -97,6 +97,11 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     assert by_share["ratio_atoll_resident_over_torch"] == pytest.approx(
         resident["atoll_resident_share_of_limit"] / by_share["torch"]["share"], abs=1e-3
     )
+    # a schedule at the contended limit against torch's best, in torch's best row's rounds
+    theirs = max(report["rows"], key=lambda row: row["torch_pipelining_steps_per_s"])
+    assert report["best"]["contended_limit_over_torch"] == pytest.approx(
+        1 / theirs["torch_share_of_contended_limit"], abs=1e-3
+    )
     auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
     candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
     assert auto["chosen"] in candidates
