@@ -12,7 +12,8 @@ compares each side's fastest schedule, as a user picking one would (and, in
 ``best.by_share_of_limit``, each side's schedule with the largest share of the physical limit
 measured beside it: the rows run minutes apart, and the machine's drift between them cancels);
 ``best.contended_limit_over_torch`` is what a schedule running at the contended limit (below)
-would show against torch's best, read in the rounds of torch's best row.
+would show against torch's best, read in the rounds of torch's best row: with a core per rank,
+about the most any schedule of the same arithmetic could show.
 ``auto`` (atoll alone: torch has no such schedule) reports what ``schedule="auto"`` chose after
 calibrating, its predicted step time against the measured one, and the measured rate of each
 candidate the run also measured. On CPU each row also gives the physical limit: the busiest
@@ -690,8 +691,10 @@ def main() -> None:
         # over the rows of one 2-stage run); the shares cancel the drift
         best["by_share_of_limit"] = best_by(rows, "torch_share_of_limit", "{side}_share_of_limit", "share")
         # what a schedule running at the contended limit (every rank's forward and backward at
-        # once, no pipeline, no communication: about the most any schedule of this arithmetic
-        # gets from the machine) would show against torch's best, read in torch's best row's rounds
+        # once, no pipeline, no communication) would show against torch's best, read in torch's
+        # best row's rounds. With a core per rank that is about the most any schedule of this
+        # arithmetic gets here; with more ranks than cores it is not (a pipeline's ranks do not
+        # all run at once: ZB-H2 at 4 stages on 2 cores ran at 1.10-1.13 of it)
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         best["contended_limit_over_torch"] = round(1 / theirs["torch_share_of_contended_limit"], 3)
     if args.model == "mlp":
