@@ -276,6 +276,8 @@ def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, re
         )
         for s in mine
     ]
+    for stage in stages:
+        _without_sends_to_itself(stage, rank)
     opt = torch.optim.SGD([p for st in stages for p in st.submod.parameters()], lr=0.01)
     cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
     sched = cls(stages if schedule in MULTI_STAGE else stages[0], args.microbatches, loss_fn=loss_of(args))
@@ -294,6 +296,16 @@ def _torch_rank(rank, world, port, args, schedule, virtual, stage_blocks, go, re
         return sum(losses).item() / len(losses) if losses else None
 
     serve_rounds(rank, go, results, step, args.warmup, reporter=holds_last)
+
+
+def _without_sends_to_itself(stage, rank: int) -> None:
+    """torch before 2.13 opens a multi-stage schedule's links with a send and a receive between
+    each pair of neighbouring stages, a V's turn too, where both stages sit on one rank; gloo
+    cannot pair a rank with itself ("Pair is not connected", torch 2.11), and torch 2.13 opens
+    them another way. The stages on one rank hand over in memory: those sends are left out."""
+    opening = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if opening is not None:
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in opening() if op.peer != rank]
 
 
 def serve_rounds(rank: int, go, results, step, warmup: int, reporter: bool, extra=None) -> None:

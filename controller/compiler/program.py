@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from atoll.controller.compiler import fake_kernels
 from atoll.core.graphs import BlockGraph, deserialize, flatten
 from atoll.core.wire import EdgeSpec, TensorSpec
 from atoll.errors import InvalidInput
@@ -45,7 +46,9 @@ def _placeholder_specs(ep: torch.export.ExportedProgram, name: str) -> EdgeSpec:
 
 
 def fake_mode() -> FakeTensorMode:
-    """A fake-tensor mode in which the real (loaded) parameters may take part."""
+    """A fake-tensor mode in which the real (loaded) parameters may take part, its kernels agreeing
+    with the real ones (``fake_kernels.mend``)."""
+    fake_kernels.mend()
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 

@@ -110,7 +110,8 @@ def export(module: torch.nn.Module, args: tuple, failure: str, frozen_values: bo
 def _without_stack_traces():
     """Export without recording each node's Python stack: nothing here reads them, and capturing
     them costs about a quarter of an export and 8% of the archive (tests/models.py's GPT). (A
-    process-wide flag of torch's, set for the export's duration.)"""
+    process-wide flag of torch's, set for the export's duration; torch 2.11 has none and records
+    them.)"""
     import torch.fx.config as fx_config
 
     if not hasattr(fx_config, "do_not_emit_stack_traces"):
