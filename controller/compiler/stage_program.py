@@ -33,7 +33,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export.exported_program import ExportedProgram, ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
     ExportGraphSignature,
@@ -46,6 +45,7 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from atoll.controller.compiler.program import fake_mode
 from atoll.core.graphs import export, serialize
 
 log = logging.getLogger("atoll.controller")
@@ -91,14 +91,14 @@ def _lift(root: torch.nn.Module, graph: fx.Graph, persistent: set[str]) -> Expor
 
     lifted, env = fx.Graph(), {}
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if "val" in n.meta])
+    graph_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if "val" in n.meta])
     specs, state_dict, constants = [], {}, {}
     for kind, prefix in _LIFTED.items():
         for node, value in attrs[kind]:
             placeholder = lifted.placeholder(prefix + node.target.replace(".", "_"))
             placeholder.meta.update(node.meta)
             if "val" not in placeholder.meta:  # the split's own get_attr nodes carry none
-                placeholder.meta["val"] = fake_mode.from_tensor(value, static_shapes=True)
+                placeholder.meta["val"] = graph_mode.from_tensor(value, static_shapes=True)
             env[node] = placeholder
             kept = kind is InputKind.BUFFER and node.target in persistent
             (state_dict if kind is InputKind.PARAMETER or kept else constants)[node.target] = value
@@ -143,7 +143,7 @@ def lift_rewritten(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> 
     tensors of ``inputs`` and the module's own (sharded) weights, and Python functions the rewrite
     calls are traced into ATen operations, first (``module`` is changed in place)."""
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with fake_mode() as mode:
             _FakeValues(module, mode).propagate(*inputs)
             if not _inline_functions(module):
                 return None
