@@ -557,6 +557,13 @@ def compute_per_rank(trace, microbatches: int) -> list[tuple[float, float]]:
     ]
 
 
+def significant(seconds: float) -> float:
+    """A time to four significant figures: rounding to fixed decimals would leave a short step
+    (the smallest sizes' tens of microseconds) one or two digits, or zero, and the ratios printed
+    beside it would not follow from the figures printed."""
+    return float(f"{seconds:.4g}")
+
+
 def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     """atoll's schedule="auto" (one chunk per worker): what it chose, its predicted step time
     against the measured one, and every candidate measured beside it: all loaded at once and
@@ -605,11 +612,11 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         auto_rate = median(rates["auto"])
         others = [median(r) for name, r in rates.items() if name not in ("auto", chosen)]
         row |= {
-            f"predicted_step_s{sfx}": round(prediction[chosen], 5),
-            f"measured_step_s{sfx}": round(1 / chosen_rate, 5),
+            f"predicted_step_s{sfx}": significant(prediction[chosen]),
+            f"measured_step_s{sfx}": significant(1 / chosen_rate),
             f"predicted_over_measured{sfx}": round(prediction[chosen] * chosen_rate, 3),
             f"predicted_over_measured_auto_job_alone{sfx}": round(prediction[chosen] * auto_rate, 3),
-            f"predicted_step_s_by_candidate{sfx}": {k: round(v, 5) for k, v in prediction.items()},
+            f"predicted_step_s_by_candidate{sfx}": {k: significant(v) for k, v in prediction.items()},
             f"measured_steps_per_s_by_candidate_in_turn{sfx}": {
                 name: round(median(r), 3) for name, r in rates.items() if name != "auto"
             },
