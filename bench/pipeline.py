@@ -13,7 +13,10 @@ compares each side's fastest schedule, as a user picking one would (and, in
 measured beside it: the rows run minutes apart, and the machine's drift between them cancels);
 ``best.contended_limit_over_torch`` is what a schedule running at the contended limit (below)
 would show against torch's best, read in the rounds of torch's best row: with a core per rank,
-about the most any schedule of the same arithmetic could show.
+about the most any schedule of the same arithmetic could show. ``best.head_to_head`` runs each
+side's best again (atoll's by resident share of the limit; torch's two best by share, each round
+counting the faster) in alternating rounds beside each other, so the drift between rows does not
+enter the best-against-best ratio.
 ``auto`` (atoll alone: torch has no such schedule) reports what ``schedule="auto"`` chose after
 calibrating, its predicted step time against the measured one, and the measured rate of each
 candidate the run also measured. On CPU each row also gives the physical limit: the busiest
@@ -630,6 +633,46 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     return row
 
 
+def head_to_head(client, model, batches, args, rows: list[dict]) -> dict:
+    """Each side's best schedule from the rows, measured again in alternating rounds beside each
+    other: the rows run minutes apart and this machine's speed moves 5-30% between them, so a best
+    against best read across rows carries that drift; here it falls on both alike. atoll's schedule
+    is the one with the largest resident share of the limit (the drift-cancelled pick); torch
+    gets its two best by share (distinct classes), and each round counts the faster of the two, a
+    choice that can only favour torch. atoll runs as in the rows' resident rounds (several steps to
+    a call on batches the workers hold; also read from the first call's end, ``_steady``)."""
+    ours = max(rows, key=lambda r: r["atoll_resident_share_of_limit"])
+    theirs: dict[str, dict] = {}
+    for row in sorted(rows, key=lambda r: -r["torch_share_of_limit"]):
+        theirs.setdefault(row["torch_schedule"], row)
+    theirs = dict(list(theirs.items())[:2])
+    atoll = AtollSide(client, model, batches, args, ours["schedule"], ours["virtual_stages"])
+    peers = {}
+    rounds: list[dict] = []
+    try:
+        for name, row in theirs.items():
+            peers[name] = TorchSide(args, name, row["virtual_stages"], row["stage_blocks"])
+        for _ in range(args.rounds):
+            resident, _ = atoll.run(steady_round_steps(args), per_call=args.steps_per_call, resident=True)
+            rounds.append({"resident": resident, "steady": atoll.steady_rate})
+            rounds[-1] |= {name: peer.run(args.steps)[0] for name, peer in peers.items()}
+    finally:
+        atoll.close()
+        for peer in peers.values():
+            peer.close()
+    out = {
+        "atoll_schedule": ours["schedule"],
+        "torch_schedules": list(theirs),
+        "torch_steps_per_s_by_schedule": {name: round(median([r[name] for r in rounds]), 3) for name in theirs},
+    }
+    for side in ("resident", "steady"):
+        per_round = [r[side] / max(r[name] for name in theirs) for r in rounds]
+        out[f"atoll_{side}_steps_per_s"] = round(median([r[side] for r in rounds]), 3)
+        out[f"ratio_atoll_{side}_over_torch_per_round"] = [round(x, 3) for x in per_round]
+        out[f"ratio_atoll_{side}_over_torch"] = round(median(per_round), 3)
+    return out
+
+
 def best_by(rows: list[dict], torch_key: str, atoll_key: str, label: str) -> dict:
     """Each side's best schedule by a row's figure (``torch_key``; ``atoll_key`` with each of
     atoll's ways for ``{side}``), under ``label``, and the ratio of atoll's to torch's."""
@@ -702,6 +745,8 @@ def main() -> None:
         for schedule in (s for s in schedules if s != "auto"):
             rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
         auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None
+        if args.device == "cpu" and rows:
+            head_to_head_result = head_to_head(client, model, batches, args, rows)
     best = {}
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
         best = best_by(rows, "torch_pipelining_steps_per_s", "{side}_steps_per_s", "steps_per_s")
@@ -716,6 +761,7 @@ def main() -> None:
         # all run at once: ZB-H2 at 4 stages on 2 cores ran at 1.10-1.13 of it)
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         best["contended_limit_over_torch"] = round(1 / theirs["torch_share_of_contended_limit"], 3)
+        best["head_to_head"] = head_to_head_result
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:

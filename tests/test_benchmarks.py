@@ -97,6 +97,13 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     assert by_share["ratio_atoll_resident_over_torch"] == pytest.approx(
         resident["atoll_resident_share_of_limit"] / by_share["torch"]["share"], abs=1e-3
     )
+    # each side's best again, in alternating rounds: atoll's by resident share, torch's two by share
+    head = report["best"]["head_to_head"]
+    assert head["atoll_schedule"] == resident["schedule"] and sorted(head["torch_schedules"]) == ["zb_h1", "zbv"]
+    assert all(rate > 0 for rate in head["torch_steps_per_s_by_schedule"].values())
+    for side in ("resident", "steady"):
+        assert head[f"atoll_{side}_steps_per_s"] > 0 and len(head[f"ratio_atoll_{side}_over_torch_per_round"]) == 1
+        assert head[f"ratio_atoll_{side}_over_torch"] == head[f"ratio_atoll_{side}_over_torch_per_round"][0]
     # a schedule at the contended limit against torch's best, in torch's best row's rounds
     theirs = max(report["rows"], key=lambda row: row["torch_pipelining_steps_per_s"])
     assert report["best"]["contended_limit_over_torch"] == pytest.approx(
