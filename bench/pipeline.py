@@ -560,6 +560,15 @@ def compute_per_rank(trace, microbatches: int) -> list[tuple[float, float]]:
     ]
 
 
+def rotated(names: list[str], turn: int) -> list[str]:
+    """``names`` from the ``turn``-th on, then the rest: run in this order in round ``turn``, each
+    side takes every place in the round in turn, so that what one run leaves the next (on the GPT
+    example the ``auto`` job, then always first in its round, read 1.14x the rate of its identical
+    copy, always last) falls on all alike."""
+    k = turn % len(names)
+    return names[k:] + names[:k]
+
+
 def significant(seconds: float) -> float:
     """A time to four significant figures: rounding to fixed decimals would leave a short step
     (the smallest sizes' tens of microseconds) one or two digits, or zero, and the ratios printed
@@ -570,8 +579,9 @@ def significant(seconds: float) -> float:
 def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     """atoll's schedule="auto" (one chunk per worker): what it chose, its predicted step time
     against the measured one, and every candidate measured beside it: all loaded at once and
-    run in turn, a round of each per round, so that the machine's drift (tens of percent over
-    minutes on a busy 2-core machine) falls on all alike; the rows above were measured minutes
+    run in turn, a round of each per round (in an order rotating round by round, ``rotated``), so
+    that the machine's drift (tens of percent over minutes on a busy 2-core machine) falls on all
+    alike; the rows above were measured minutes
     apart and are listed as they were. Each candidate runs its rounds two ways: one step at a
     time, each waited for, as the calibration ran them, against the prediction of a step on its
     own (its simulated makespan plus the overhead the calibration measured: like against like),
@@ -593,8 +603,9 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
             sides[name] = AtollSide(client, model, batches, args, name, 1)
         together: dict[str, list[float]] = {name: [] for name in sides}
         waited: dict[str, list[float]] = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, side in sides.items():
+        for turn in range(args.rounds):
+            for name in rotated(list(sides), turn):
+                side = sides[name]
                 side.run(steady_round_steps(args), per_call=args.steps_per_call)
                 together[name].append(side.steady_rate)
                 waited[name].append(side.run(args.steps)[0])
@@ -640,7 +651,8 @@ def head_to_head(client, model, batches, args, rows: list[dict]) -> dict:
     is the one with the largest resident share of the limit (the drift-cancelled pick); torch
     gets its two best by share (distinct classes), and each round counts the faster of the two, a
     choice that can only favour torch. atoll runs as in the rows' resident rounds (several steps to
-    a call on batches the workers hold; also read from the first call's end, ``_steady``)."""
+    a call on batches the workers hold; also read from the first call's end, ``_steady``). The
+    order within a round rotates (``rotated``)."""
     ours = max(rows, key=lambda r: r["atoll_resident_share_of_limit"])
     theirs: dict[str, dict] = {}
     for row in sorted(rows, key=lambda r: -r["torch_share_of_limit"]):
@@ -652,10 +664,17 @@ def head_to_head(client, model, batches, args, rows: list[dict]) -> dict:
     try:
         for name, row in theirs.items():
             peers[name] = TorchSide(args, name, row["virtual_stages"], row["stage_blocks"])
-        for _ in range(args.rounds):
-            resident, _ = atoll.run(steady_round_steps(args), per_call=args.steps_per_call, resident=True)
-            rounds.append({"resident": resident, "steady": atoll.steady_rate})
-            rounds[-1] |= {name: peer.run(args.steps)[0] for name, peer in peers.items()}
+        for turn in range(args.rounds):
+            measured = {}
+            for name in rotated(["atoll", *peers], turn):
+                if name == "atoll":
+                    measured["resident"], _ = atoll.run(
+                        steady_round_steps(args), per_call=args.steps_per_call, resident=True
+                    )
+                    measured["steady"] = atoll.steady_rate
+                else:
+                    measured[name] = peers[name].run(args.steps)[0]
+            rounds.append(measured)
     finally:
         atoll.close()
         for peer in peers.values():

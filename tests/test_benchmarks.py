@@ -22,6 +22,17 @@ def test_cli_benchmark_runs(capsys):
     assert all(v > 0 for k, v in result.items() if k.endswith("_s"))
 
 
+def test_rounds_rotate_the_order_of_their_sides():
+    """bench/pipeline.py's rounds of sides measured in turn: over as many rounds as sides, each
+    side runs once in every place of the round."""
+    from bench.pipeline import rotated
+
+    names = ["auto", "1f1b", "zb_h1", "gpipe"]
+    orders = [rotated(names, turn) for turn in range(len(names) + 1)]
+    assert orders[0] == names and orders[-1] == names and all(sorted(o) == sorted(names) for o in orders)
+    assert all({o[place] for o in orders[:-1]} == set(names) for place in range(len(names)))
+
+
 def test_pipeline_benchmark_runs_at_its_smallest_size():
     args = ["--schedules", "zb_h2,zbv,auto", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
     args += ["--d-model", "16", "--heads", "2", "--block-size", "8", "--rounds", "1", "--steps", "2", "--warmup", "1"]
