@@ -10,13 +10,13 @@ by torch's own class for it (ZB-H1 is torch's ScheduleInterleavedZeroBubble at o
 torch has no ZB-H2, so its row runs torch's ZB-H1, named in ``torch_schedule``). ``best``
 compares each side's fastest schedule, as a user picking one would (and, in
 ``best.by_share_of_limit``, each side's schedule with the largest share of the physical limit
-measured beside it: the rows run minutes apart, and the machine's drift between them cancels);
+measured beside it, among the schedules with a stage per rank, which share their stages and so
+their limit: the rows run minutes apart, and the machine's drift between them cancels);
 ``best.contended_limit_over_torch`` is what a schedule running at the contended limit (below)
 would show against torch's best, read in the rounds of torch's best row: with a core per rank,
 about the most any schedule of the same arithmetic could show. ``best.head_to_head`` runs each
-side's best again (atoll's by resident share of the limit; torch's two best by share, each round
-counting the faster) in alternating rounds beside each other, so the drift between rows does not
-enter the best-against-best ratio.
+side's two fastest schedules again in alternating rounds beside each other, each round counting
+each side's faster, so the drift between rows does not enter the best-against-best ratio.
 ``auto`` (atoll alone: torch has no such schedule) reports what ``schedule="auto"`` chose after
 calibrating, its predicted step time against the measured one, and the measured rate of each
 candidate the run also measured. On CPU each row also gives the physical limit: the busiest
@@ -644,51 +644,59 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     return row
 
 
+def two_best(rows: list[dict], key: str, name: str) -> dict[str, dict]:
+    """The rows of the two largest ``key``, by their ``name`` (distinct names: ZB-H2's row runs
+    torch's ZB-H1 too)."""
+    best: dict[str, dict] = {}
+    for row in sorted(rows, key=lambda r: -r[key]):
+        best.setdefault(row[name], row)
+    return dict(list(best.items())[:2])
+
+
 def head_to_head(client, model, batches, args, rows: list[dict]) -> dict:
-    """Each side's best schedule from the rows, measured again in alternating rounds beside each
+    """Each side's best schedules from the rows, measured again in alternating rounds beside each
     other: the rows run minutes apart and this machine's speed moves 5-30% between them, so a best
-    against best read across rows carries that drift; here it falls on both alike. atoll's schedule
-    is the one with the largest resident share of the limit (the drift-cancelled pick); torch
-    gets its two best by share (distinct classes), and each round counts the faster of the two, a
-    choice that can only favour torch. atoll runs as in the rows' resident rounds (several steps to
-    a call on batches the workers hold; also read from the first call's end, ``_steady``). The
-    order within a round rotates (``rotated``)."""
-    ours = max(rows, key=lambda r: r["atoll_resident_share_of_limit"])
-    theirs: dict[str, dict] = {}
-    for row in sorted(rows, key=lambda r: -r["torch_share_of_limit"]):
-        theirs.setdefault(row["torch_schedule"], row)
-    theirs = dict(list(theirs.items())[:2])
-    atoll = AtollSide(client, model, batches, args, ours["schedule"], ours["virtual_stages"])
-    peers = {}
+    against best read across rows carries that drift; here it falls on both alike. Each side
+    brings its two fastest rows (atoll's by resident rate, torch's by its rate: a share of the
+    limit would not do, since the limit differs between layouts: a V's busiest rank carries the
+    head) and each round counts each side's faster, so a row that was lucky in its minutes does not
+    decide alone. atoll runs as in the rows' resident rounds (several steps to a call on batches the
+    workers hold; also read from the first call's end, ``steady``); the order within a round
+    rotates (``rotated``)."""
+    ours = two_best(rows, "atoll_resident_steps_per_s", "schedule")
+    theirs = two_best(rows, "torch_pipelining_steps_per_s", "torch_schedule")
+    sides: dict[str, AtollSide | TorchSide] = {}
     rounds: list[dict] = []
     try:
+        for name, row in ours.items():
+            sides[f"atoll {name}"] = AtollSide(client, model, batches, args, name, row["virtual_stages"])
         for name, row in theirs.items():
-            peers[name] = TorchSide(args, name, row["virtual_stages"], row["stage_blocks"])
+            sides[f"torch {name}"] = TorchSide(args, name, row["virtual_stages"], row["stage_blocks"])
         for turn in range(args.rounds):
             measured = {}
-            for name in rotated(["atoll", *peers], turn):
-                if name == "atoll":
-                    measured["resident"], _ = atoll.run(
-                        steady_round_steps(args), per_call=args.steps_per_call, resident=True
-                    )
-                    measured["steady"] = atoll.steady_rate
+            for key in rotated(list(sides), turn):
+                side = sides[key]
+                if isinstance(side, AtollSide):
+                    measured[key], _ = side.run(steady_round_steps(args), per_call=args.steps_per_call, resident=True)
+                    measured[f"{key} steady"] = side.steady_rate
                 else:
-                    measured[name] = peers[name].run(args.steps)[0]
+                    measured[key] = side.run(args.steps)[0]
             rounds.append(measured)
     finally:
-        atoll.close()
-        for peer in peers.values():
-            peer.close()
+        for side in sides.values():
+            side.close()
     out = {
-        "atoll_schedule": ours["schedule"],
+        "atoll_schedules": list(ours),
         "torch_schedules": list(theirs),
-        "torch_steps_per_s_by_schedule": {name: round(median([r[name] for r in rounds]), 3) for name in theirs},
+        "torch_steps_per_s_by_schedule": {n: round(median([r[f"torch {n}"] for r in rounds]), 3) for n in theirs},
     }
-    for side in ("resident", "steady"):
-        per_round = [r[side] / max(r[name] for name in theirs) for r in rounds]
-        out[f"atoll_{side}_steps_per_s"] = round(median([r[side] for r in rounds]), 3)
-        out[f"ratio_atoll_{side}_over_torch_per_round"] = [round(x, 3) for x in per_round]
-        out[f"ratio_atoll_{side}_over_torch"] = round(median(per_round), 3)
+    for way, sfx in (("resident", ""), ("steady", " steady")):
+        out[f"atoll_{way}_steps_per_s_by_schedule"] = {
+            n: round(median([r[f"atoll {n}{sfx}"] for r in rounds]), 3) for n in ours
+        }
+        per_round = [max(r[f"atoll {n}{sfx}"] for n in ours) / max(r[f"torch {n}"] for n in theirs) for r in rounds]
+        out[f"ratio_atoll_{way}_over_torch_per_round"] = [round(x, 3) for x in per_round]
+        out[f"ratio_atoll_{way}_over_torch"] = round(median(per_round), 3)
     return out
 
 
@@ -772,7 +780,14 @@ def main() -> None:
         # and by its share of the limit measured in the same rounds as its rate: the rows run
         # minutes apart and the machine drifts between them (the limit moved 8.5 to 9.5 steps/s
         # over the rows of one 2-stage run); the shares cancel the drift
-        best["by_share_of_limit"] = best_by(rows, "torch_share_of_limit", "{side}_share_of_limit", "share")
+        # the shares of one limit only: the schedules with a stage per rank share their stages;
+        # a V's or an interleaved layout's limit differs (at 4 stages of the MLP job a V's busiest
+        # rank carries the head: its limit 12.7 to 13.5 steps/s against 16 to 17)
+        one_stage_per_rank = [r for r in rows if r["virtual_stages"] == 1]
+        if one_stage_per_rank:
+            best["by_share_of_limit"] = best_by(
+                one_stage_per_rank, "torch_share_of_limit", "{side}_share_of_limit", "share"
+            )
         # what a schedule running at the contended limit (every rank's forward and backward at
         # once, no pipeline, no communication) would show against torch's best, read in torch's
         # best row's rounds. With a core per rank that is about the most any schedule of this
