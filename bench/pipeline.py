@@ -772,8 +772,7 @@ def main() -> None:
         for schedule in (s for s in schedules if s != "auto"):
             rows.append(compare(client, model, batches, args, schedule, process_pids(cluster)))
         auto = auto_row(client, model, batches, args, rows) if "auto" in schedules and args.device == "cpu" else None
-        if args.device == "cpu" and rows:
-            head_to_head_result = head_to_head(client, model, batches, args, rows)
+        head = head_to_head(client, model, batches, args, rows) if args.device == "cpu" and rows else None
     best = {}
     if args.device == "cpu" and rows:  # each side's fastest schedule, as a user would pick it
         best = best_by(rows, "torch_pipelining_steps_per_s", "{side}_steps_per_s", "steps_per_s")
@@ -795,7 +794,7 @@ def main() -> None:
         # all run at once: ZB-H2 at 4 stages on 2 cores ran at 1.10-1.13 of it)
         theirs = max(rows, key=lambda r: r["torch_pipelining_steps_per_s"])
         best["contended_limit_over_torch"] = round(1 / theirs["torch_share_of_contended_limit"], 3)
-        best["head_to_head"] = head_to_head_result
+        best["head_to_head"] = head
     if args.model == "mlp":
         described = f"mlp {MLP_BLOCKS} x Linear({MLP_WIDTH}, {MLP_WIDTH}) + GELU, head to {MLP_OUT}"
     else:
