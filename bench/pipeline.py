@@ -251,6 +251,12 @@ class AtollSide:
             self.steady_rate = (steps - per_call) / (end - first_end)
         return steps / (end - start), loss
 
+    def steady_round(self, resident: bool = False) -> tuple[float, float]:
+        """A round of ``--steps-per-call`` steps to a call, two calls at least
+        (``steady_round_steps``): its rate, and its rate from the first call's end (``steady_rate``)."""
+        rate, _ = self.run(steady_round_steps(self.args), per_call=self.args.steps_per_call, resident=resident)
+        return rate, self.steady_rate
+
     def close(self) -> None:
         for x, y in self.resident:
             x.free()
@@ -466,11 +472,10 @@ def compare(client, model, batches, args, schedule: str, atoll_pids: dict[str, i
             waiting.append([m["waiting_s"] / m["wall_s"] for m in atoll.job.last.memory.values()])
             p_rate, _ = atoll.run(args.steps, pipelined=True)
             c_rate, _ = atoll.run(args.steps, per_call=args.steps_per_call)
-            r_steps = steady_round_steps(args)
-            r_rate, _ = atoll.run(r_steps, per_call=args.steps_per_call, resident=True)
-            s_rate = atoll.steady_rate
+            r_rate, s_rate = atoll.steady_round(resident=True)
             if args.device == "cpu":  # the round closest to the limit: no batch crosses the cores
-                work.append(compute_per_rank(atoll.job.timeline(last=r_steps), args.microbatches))
+                timeline = atoll.job.timeline(last=steady_round_steps(args))
+                work.append(compute_per_rank(timeline, args.microbatches))
             cpu[1].start()
             t_rate, t_loss = peer.run(args.steps)
             cpu[1].stop()
@@ -605,10 +610,8 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
         waited: dict[str, list[float]] = {name: [] for name in sides}
         for turn in range(args.rounds):
             for name in rotated(list(sides), turn):
-                side = sides[name]
-                side.run(steady_round_steps(args), per_call=args.steps_per_call)
-                together[name].append(side.steady_rate)
-                waited[name].append(side.run(args.steps)[0])
+                together[name].append(sides[name].steady_round()[1])
+                waited[name].append(sides[name].run(args.steps)[0])
     finally:
         for side in sides.values():
             side.close()
@@ -677,8 +680,7 @@ def head_to_head(client, model, batches, args, rows: list[dict]) -> dict:
             for key in rotated(list(sides), turn):
                 side = sides[key]
                 if isinstance(side, AtollSide):
-                    measured[key], _ = side.run(steady_round_steps(args), per_call=args.steps_per_call, resident=True)
-                    measured[f"{key} steady"] = side.steady_rate
+                    measured[key], measured[f"{key} steady"] = side.steady_round(resident=True)
                 else:
                     measured[key] = side.run(args.steps)[0]
             rounds.append(measured)
@@ -778,10 +780,10 @@ def main() -> None:
         best = best_by(rows, "torch_pipelining_steps_per_s", "{side}_steps_per_s", "steps_per_s")
         # and by its share of the limit measured in the same rounds as its rate: the rows run
         # minutes apart and the machine drifts between them (the limit moved 8.5 to 9.5 steps/s
-        # over the rows of one 2-stage run); the shares cancel the drift
-        # the shares of one limit only: the schedules with a stage per rank share their stages;
-        # a V's or an interleaved layout's limit differs (at 4 stages of the MLP job a V's busiest
-        # rank carries the head: its limit 12.7 to 13.5 steps/s against 16 to 17)
+        # over the rows of one 2-stage run); the shares cancel the drift. Shares of one limit
+        # only: the schedules with a stage per rank share their stages, while a V's or an
+        # interleaved layout's limit differs (at 4 stages of the MLP job a V's busiest rank
+        # carries the head: its limit 12.7 to 13.5 steps/s against 16 to 17)
         one_stage_per_rank = [r for r in rows if r["virtual_stages"] == 1]
         if one_stage_per_rank:
             best["by_share_of_limit"] = best_by(
