@@ -192,7 +192,11 @@ def steady_round_steps(args) -> int:
 
 
 class AtollSide:
-    def __init__(self, client, model, batches, args, schedule: str, virtual: int):
+    def __init__(
+        self, client, model, batches, args, schedule: str, virtual: int, microbatches: int = 0, auto_microbatches=()
+    ):
+        """``microbatches``: the job's count, if not ``--microbatches``; ``auto_microbatches``: other
+        counts ``schedule="auto"`` may choose."""
         x, y = batches[0]
         self.job = client.pipeline(
             model,
@@ -200,7 +204,8 @@ class AtollSide:
             example_target=y,
             loss_fn=loss_of(args),
             stages=args.ranks,
-            microbatches=args.microbatches,
+            microbatches=microbatches or args.microbatches,
+            auto_microbatches=auto_microbatches,
             schedule=schedule,
             virtual_stages=virtual,
             optimizer="sgd",
@@ -597,15 +602,23 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     call's (``AtollSide.steady_rate``), as the calibration measures, since a long run pays its
     first call's way in once (the rows' several-to-a-call rates, listed beside, pay it once a
     round). The chosen schedule's measured step is the median of both its copies' rounds (the
-    auto job's own beside it)."""
-    atoll = AtollSide(client, model, batches, args, "auto", 1)
+    auto job's own beside it). With ``--auto-microbatches`` the job may also run at those counts:
+    every candidate runs beside it at each count, named "SCHEDULE@COUNT"."""
+    atoll = AtollSide(client, model, batches, args, "auto", 1, auto_microbatches=args.auto_microbatches)
     choice = atoll.job.plan.report["schedule_choice"]
-    predicted = {c["schedule"]: c["predicted_step_s"] for c in choice["candidates"]}
-    lone = {c["schedule"]: c["predicted_lone_step_s"] for c in choice["candidates"]}
+    counts = [args.microbatches, *sorted(set(args.auto_microbatches) - {args.microbatches})]
+
+    def named(schedule: str, count: int) -> str:
+        return f"{schedule}@{count}" if len(counts) > 1 else schedule
+
+    chosen_count = atoll.job.plan.report["microbatches"]
+    predicted = {named(c["schedule"], chosen_count): c["predicted_step_s"] for c in choice["candidates"]}
+    lone = {named(c["schedule"], chosen_count): c["predicted_lone_step_s"] for c in choice["candidates"]}
     sides = {"auto": atoll}
     try:
-        for name in predicted:
-            sides[name] = AtollSide(client, model, batches, args, name, 1)
+        for count in counts:
+            for c in choice["candidates"]:  # the same schedules at every count (one chunk per worker)
+                sides[named(c["schedule"], count)] = AtollSide(client, model, batches, args, c["schedule"], 1, count)
         together: dict[str, list[float]] = {name: [] for name in sides}
         waited: dict[str, list[float]] = {name: [] for name in sides}
         for turn in range(args.rounds):
@@ -615,8 +628,8 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     finally:
         for side in sides.values():
             side.close()
-    chosen = choice["chosen"]
-    row = {"chosen": chosen, "why": choice["why"]}
+    chosen = named(choice["chosen"], chosen_count)
+    row = {"chosen": chosen, "why": choice["why"], "microbatch_steps": choice["microbatch_steps"]}
     for sfx, rates, prediction, in_rows in (
         ("", waited, lone, "atoll_steps_per_s"),
         ("_back_to_back", together, predicted, "atoll_per_call_steps_per_s"),
@@ -638,7 +651,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
                 name: round(median(r), 3) for name, r in rates.items() if name != "auto"
             },
             f"measured_steps_per_s_by_candidate_in_rows{sfx}": {
-                r["schedule"]: r[in_rows] for r in rows if r["schedule"] in predicted
+                name: r[in_rows] for r in rows if (name := named(r["schedule"], args.microbatches)) in sides
             },
             # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
             f"chosen_vs_fastest_measured{sfx}": round(chosen_rate / max([chosen_rate, *others]), 3),
@@ -722,6 +735,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--virtual-stages", type=int, default=2, help="for interleaved_1f1b")
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument(
+        "--auto-microbatches",
+        type=lambda text: [int(c) for c in text.split(",") if c],
+        default=[],
+        help='other microbatch counts schedule="auto" may choose (comma-separated); its candidates run at each',
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--d-model", type=int, default=64)

@@ -122,6 +122,93 @@ def test_calibration_measures_every_candidate_under_its_own_order():
     assert copy.name == "j calibration (1f1b)" and not copy.auto_resume and not copy.detached
 
 
+@pytest.mark.cluster
+def test_auto_chooses_among_microbatch_counts_and_trains_as_one_process(client4):
+    """With ``auto_microbatches`` every candidate is calibrated at each count; the job runs at the
+    count whose fastest copy stepped fastest, says so in its plan, and trains as one process does
+    (the step's loss is the batch's mean at any count). On this tiny model a microbatch's fixed
+    costs outweigh its compute, so the job will mostly run at a count other than its own 8."""
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    job = client4.pipeline(
+        model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=8, schedule="auto",
+        auto_microbatches=[2, 4], optimizer="adamw", optimizer_args=ADAMW,
+    )  # fmt: skip
+    try:
+        report = job.plan.report
+        steps = report["schedule_choice"]["microbatch_steps"]
+        assert sorted(steps, key=int) == ["2", "4", "8"] and all(s > 0 for s in steps.values())
+        fastest = min(steps, key=steps.get)
+        assert report["microbatches"] == int(fastest)
+        assert (
+            f"{fastest} microbatches: their fastest calibration copy stepped fastest"
+            in report["schedule_choice"]["why"]
+        )
+        losses = [job.step(a, b) for a, b in batches]
+    finally:
+        job.close()
+    ref_losses, _ = train_reference(model, batches, loss_fn, int(fastest), "adamw", ADAMW)
+    assert_losses_match(losses, ref_losses)
+    assert not [j for j in client4.status(all=True).jobs if "calibration" in j.name]  # the copies are closed
+    with pytest.raises(InvalidInput, match="not divisible into 5 microbatches"):  # 32 rows: refused before any copy
+        client4.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=4, schedule="auto",
+            auto_microbatches=[5],
+        )  # fmt: skip
+    assert not client4.status(all=True).jobs
+
+
+def test_microbatch_counts_are_checked_and_each_is_calibrated():
+    from atoll.client.calibrate import calibration_configs
+
+    config = JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_microbatches=(8, 2, 4))
+    assert config.microbatch_counts() == (4, 2, 8)  # the job's own first, then the fewest
+    copies = [(c.microbatches, c.schedule) for c in calibration_configs(config)]
+    assert copies == [(m, s) for m in (4, 2, 8) for s in ("1f1b", "zb_h1", "zb_h2", "gpipe")]
+    copy = calibration_configs(config)[4]
+    assert copy.name == "j calibration (1f1b, 2 microbatches)" and copy.auto_microbatches == ()
+    # DualPipeV needs as many microbatches as stages: calibrated only at the counts that have them
+    v = JobConfig(stages=2, microbatches=4, schedule="auto", virtual_stages=2, auto_microbatches=(2,))
+    assert [(c.microbatches, c.schedule) for c in calibration_configs(v)] == [
+        (4, "zbv"), (4, "dualpipev"), (4, "interleaved_1f1b"), (2, "zbv"), (2, "interleaved_1f1b"),
+    ]  # fmt: skip
+    with pytest.raises(InvalidInput, match="for schedule \"auto\" to choose among, not for '1f1b'"):
+        JobConfig(stages=2, microbatches=4, schedule="1f1b", auto_microbatches=(2,)).microbatch_counts()
+    with pytest.raises(InvalidInput, match="positive integers, got 0"):
+        JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(0,)).microbatch_counts()
+    with pytest.raises(InvalidInput, match="auto_microbatches"):  # the compiler checks them too
+        model, batches, loss_fn = models.mlp()
+        models.compile_locally(
+            model, *batches[0], loss_fn, stages=2, microbatches=4, schedule="1f1b", auto_microbatches=(2,)
+        )
+
+
+def test_the_count_whose_fastest_copy_stepped_fastest_is_chosen():
+    from atoll.client.calibrate import Measured, calibrated
+
+    config = JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(2, 8))
+
+    def measured(steps: dict[tuple[int, str], float]) -> list:
+        return [
+            Measured(JobConfig(stages=2, microbatches=m, schedule=s), {"0F": step, "0B": 2 * step}, step)
+            for (m, s), step in steps.items()
+        ]
+
+    got = calibrated(
+        config, measured({(4, "1f1b"): 3.0, (4, "gpipe"): 2.5, (2, "1f1b"): 2.0, (2, "gpipe"): 2.2, (8, "1f1b"): 2.4})
+    )
+    assert got.microbatches == 2 and got.microbatch_steps == {"2": 2.0, "4": 2.5, "8": 2.4}
+    assert got.schedule_costs["1f1b/0F"] == 2.0 and got.schedule_costs["gpipe/0F"] == 2.2  # the chosen count's copies
+    tie = calibrated(config, measured({(4, "1f1b"): 2.0, (2, "1f1b"): 2.0, (8, "1f1b"): 3.0}))
+    assert tie.microbatches == 4  # of equal steps, the job's own count
+    alone = calibrated(JobConfig(stages=2, microbatches=4, schedule="auto"), measured({(4, "1f1b"): 2.0}))
+    assert alone.microbatches == 4 and alone.microbatch_steps == {} and alone.schedule_costs["1f1b/0F"] == 2.0
+    # the compiler says why the job runs at its count, listing each count's step
+    choice = _compile(schedule_costs=_costs(1.0, 1.0, 1.0), microbatch_steps={"8": 2.4, "4": 2.0}).schedule_choice
+    assert choice.microbatch_steps == {"8": 2.4, "4": 2.0}
+    assert choice.why.endswith("; 4 microbatches: their fastest calibration copy stepped fastest (2s at 4, 2.4s at 8)")
+
+
 def test_each_candidate_is_simulated_at_the_costs_measured_under_it():
     """Costs measured under 1F1B would call GPipe as fast (equal makespans at 2 stages); GPipe's
     own calibration measured its forwards and backwards cheaper, and it wins on them. The unnamed
@@ -208,10 +295,13 @@ def test_calibration_measures_longer_only_where_the_choice_is_close(monkeypatch,
     configs = [JobConfig(stages=2, microbatches=4, schedule=s) for s in seconds]
     copies = []
     submit = lambda config: copies.append(_Copy(config, seconds[config.schedule], clock)) or copies[-1]  # noqa: E731
-    costs = calibrate.run_copies(submit, configs, (None, None))
+    measured = calibrate.run_copies(submit, configs, (None, None))
     assert [(c.steps, c.last, c.closed) for c in copies] == [(10 + rounds * 8, 9, True)] * 2
+    assert [m.config for m in measured] == configs
+    costs = {m.config.schedule: m.costs for m in measured}
     for schedule, s in seconds.items():
         assert costs[schedule]["0F"] == s
         assert costs[schedule]["step_back_to_back_overhead_s"] == pytest.approx(0.0)  # a step back to back: s
+    assert [m.step_s for m in measured] == pytest.approx(list(seconds.values()))
     assert calibrate.close_call([[1.0, 1.0], [1.04]]) and not calibrate.close_call([[1.0], [1.06]])
     assert not calibrate.close_call([[1.0]])  # one candidate: nothing to decide

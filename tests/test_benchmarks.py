@@ -36,7 +36,7 @@ def test_rounds_rotate_the_order_of_their_sides():
 def test_pipeline_benchmark_runs_at_its_smallest_size():
     args = ["--schedules", "zb_h2,zbv,auto", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
     args += ["--d-model", "16", "--heads", "2", "--block-size", "8", "--rounds", "1", "--steps", "2", "--warmup", "1"]
-    args += ["--limit-window-s", "0.05", "--steps-per-call", "2"]
+    args += ["--limit-window-s", "0.05", "--steps-per-call", "2", "--auto-microbatches", "4"]
     out = subprocess.run(
         [sys.executable, "bench/pipeline.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
     )
@@ -128,16 +128,21 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     assert report["best"]["contended_limit_over_torch"] == pytest.approx(
         1 / theirs["torch_share_of_contended_limit"], abs=1e-3
     )
-    auto = report["auto"]  # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe, measured beside its prediction
-    candidates = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
-    assert auto["chosen"] in candidates
+    # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe at 2 and 4 microbatches, measured beside its prediction
+    auto = report["auto"]
+    schedules = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
+    candidates = {f"{s}@{m}" for s in schedules for m in (2, 4)}
+    assert auto["chosen"] in candidates and set(auto["microbatch_steps"]) == {"2", "4"}
+    count = auto["chosen"].split("@")[1]  # the count whose fastest calibration copy stepped fastest
+    assert auto["microbatch_steps"][count] == min(auto["microbatch_steps"].values())
     row_rates = {"": "atoll_steps_per_s", "_back_to_back": "atoll_per_call_steps_per_s"}  # waited for; to a call
     for sfx, in_rows in row_rates.items():
-        assert set(auto[f"predicted_step_s_by_candidate{sfx}"]) == candidates and auto[f"measured_step_s{sfx}"] > 0
+        predicted = {f"{s}@{count}" for s in schedules}  # the compiler simulates the candidates at the chosen count
+        assert set(auto[f"predicted_step_s_by_candidate{sfx}"]) == predicted and auto[f"measured_step_s{sfx}"] > 0
         assert auto[f"predicted_over_measured{sfx}"] == pytest.approx(
             auto[f"predicted_step_s{sfx}"] / auto[f"measured_step_s{sfx}"], rel=1e-2, abs=1e-3
         )
-        assert auto[f"measured_steps_per_s_by_candidate_in_rows{sfx}"] == {"zb_h2": report["rows"][0][in_rows]}
+        assert auto[f"measured_steps_per_s_by_candidate_in_rows{sfx}"] == {"zb_h2@2": report["rows"][0][in_rows]}
         in_turn = auto[f"measured_steps_per_s_by_candidate_in_turn{sfx}"]  # every candidate, beside the auto job
         assert set(in_turn) == candidates and min(in_turn.values()) > 0
         assert 0 < auto[f"chosen_vs_fastest_measured{sfx}"] <= 1 and auto[f"auto_job_vs_same_schedule_beside{sfx}"] > 0

@@ -25,6 +25,10 @@ def test_every_setting_survives_the_wire():
         name="run-1",
     )
     assert JobConfig.from_pb(pb.JobConfig.FromString(config.to_pb().SerializeToString())) == config
+    auto = JobConfig(
+        stages=2, microbatches=4, schedule="auto", auto_microbatches=(2, 8), microbatch_steps={"2": 0.5, "4": 0.25}
+    )
+    assert JobConfig.from_pb(pb.JobConfig.FromString(auto.to_pb().SerializeToString())) == auto
 
 
 def test_unset_fields_take_their_defaults_and_required_ones_are_named():

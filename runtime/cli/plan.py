@@ -46,9 +46,10 @@ class _PlanOnlyClient(Client):
     def _keep_alive(self) -> None:  # nothing to keep alive: no controller
         pass
 
-    def _schedule_costs(self, config, submit, batch) -> dict[str, float]:
-        """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts."""
-        return {}
+    def _calibrated(self, config, submit, batch):
+        """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts, at the
+        job's own microbatch count."""
+        return config
 
     def _call(self, method: str, request, timeout_s: float | None = None):
         assert method == "SubmitPipeline", method

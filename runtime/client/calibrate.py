@@ -12,6 +12,13 @@ own (controller/compiler/autoschedule.py). Each candidate is measured under its 
 an action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, GPipe's forwards
 one after another ran 17% faster per step than 1F1B's alternation, which costs measured under
 1F1B did not predict.
+
+Given ``auto_microbatches``, every candidate is calibrated at each count too, all the copies
+loaded and run in turn together, and the job runs at the count whose fastest copy stepped fastest
+(``calibrated``). The count is chosen here, on what the copies measured, because the program is
+exported at one microbatch's shape: the compiler then chooses among the schedules at that count by
+simulating them at its copies' costs, which for a calibrated candidate gives back the step its
+copy measured (its simulation plus the overheads measured beyond it).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from dataclasses import dataclass
 
 from atoll.core.config import JobConfig
 from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_BACK_TO_BACK_OVERHEAD_COST, STEP_OVERHEAD_COST
@@ -49,21 +57,40 @@ CLOSE = 0.05
 """How near (relative) the two fastest copies' median steps must be for the calibration to go on."""
 
 
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What one calibration copy measured."""
+
+    config: JobConfig
+    costs: dict[str, float]
+    """``costs_of``: each action's seconds and the step's overheads beyond its simulation."""
+    step_s: float
+    """Its median step back to back, or waited for where that was shorter: the step the compiler
+    predicts for it at ``costs`` (autoschedule.Candidate.predicted_step_s)."""
+
+
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
     """The throw-away copies to measure: the job's own settings under each candidate schedule
-    (``JobConfig.auto_candidates``), never saved or resumed, sharing their workers."""
-    return [
-        dataclasses.replace(
-            config,
-            schedule=schedule,
-            name=f"{config.name} calibration ({schedule})",
-            detached=False,
-            auto_resume=False,
-            checkpoint_path="",
-            exclusive=False,
-        )
-        for schedule in config.auto_candidates()
-    ]
+    (``JobConfig.auto_candidates``) at each of its microbatch counts (``JobConfig.microbatch_counts``),
+    never saved or resumed, sharing their workers."""
+    copies = []
+    counts = config.microbatch_counts()
+    for count in counts:
+        at_count = dataclasses.replace(config, microbatches=count, auto_microbatches=())
+        for schedule in at_count.auto_candidates():
+            label = schedule if len(counts) == 1 else f"{schedule}, {count} microbatches"
+            copies.append(
+                dataclasses.replace(
+                    at_count,
+                    schedule=schedule,
+                    name=f"{config.name} calibration ({label})",
+                    detached=False,
+                    auto_resume=False,
+                    checkpoint_path="",
+                    exclusive=False,
+                )
+            )
+    return copies
 
 
 def costs_of(summary: dict, wall_s: float, back_to_back_s: float | None = None) -> dict[str, float]:
@@ -100,12 +127,12 @@ def back_to_back(job, batch: tuple) -> float:
     return (time.perf_counter() - ended) / CALL_STEPS
 
 
-def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict[str, float]]:
+def run_copies(submit, configs: list[JobConfig], batch: tuple) -> list[Measured]:
     """Load every copy (``submit(config)`` returns its Job), train them ``CALIBRATION_STEPS``
     steps on ``batch`` one step of each in turn and read their timelines, then run
     ``BACK_TO_BACK_ROUNDS`` rounds of ``back_to_back`` one copy after another (up to
-    ``MAX_BACK_TO_BACK_ROUNDS`` while the fastest two are a ``close_call``), close them; each
-    schedule's ``costs_of``."""
+    ``MAX_BACK_TO_BACK_ROUNDS`` while the fastest two are a ``close_call``), close them; what each
+    measured, in the order of ``configs``."""
     jobs = []
     try:
         for config in configs:
@@ -125,13 +152,36 @@ def run_copies(submit, configs: list[JobConfig], batch: tuple) -> dict[str, dict
             for job, times in zip(jobs, together):
                 times.append(back_to_back(job, batch))
             rounds += 1
-        return {
-            config.schedule: costs_of(summary, statistics.median(lone), statistics.median(steps))
+        return [
+            Measured(
+                config,
+                costs_of(summary, statistics.median(lone), statistics.median(steps)),
+                min(statistics.median(lone), statistics.median(steps)),
+            )
             for config, summary, lone, steps in zip(configs, summaries, walls, together)
-        }
+        ]
     finally:
         for job in jobs:
             job.close()
+
+
+def calibrated(config: JobConfig, measured: list[Measured]) -> JobConfig:
+    """``config`` to submit after the calibration: at the microbatch count whose fastest copy
+    measured the shortest step (of equal ones, the job's own ``microbatches``, then the fewest),
+    with the costs its copies measured (``combined``) and, where several counts were measured,
+    each count's step (``JobConfig.microbatch_steps``)."""
+    steps: dict[int, float] = {}
+    for m in measured:
+        count = m.config.microbatches
+        steps[count] = min(steps.get(count, m.step_s), m.step_s)
+    chosen = min(steps, key=lambda count: (steps[count], count != config.microbatches, count))
+    costs = combined({m.config.schedule: m.costs for m in measured if m.config.microbatches == chosen})
+    return dataclasses.replace(
+        config,
+        microbatches=chosen,
+        schedule_costs=costs,
+        microbatch_steps={str(count): s for count, s in sorted(steps.items())} if len(steps) > 1 else {},
+    )
 
 
 def combined(per_schedule: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -27,7 +27,11 @@ from atoll.net.tls import Tls
 # field is a keyword argument of Client.pipeline of the same name, which it hands to compile as is:
 # the settings are spelled once, in pipeline's signature, and become a JobConfig once, in compile.
 _PROGRAM_DECIDES = ("stages", "split_at", "islands")
-_PIPELINE_SETTINGS = tuple(f.name for f in dataclasses.fields(JobConfig) if f.name not in _PROGRAM_DECIDES)
+# and those the calibration of schedule="auto" sets (atoll.client.calibrate)
+_CALIBRATION_SETS = ("microbatch_steps",)
+_PIPELINE_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(JobConfig) if f.name not in _PROGRAM_DECIDES + _CALIBRATION_SETS
+)
 
 
 class Client(Connection):
@@ -70,6 +74,7 @@ class Client(Connection):
         checkpoint_every: int = 100,
         checkpoint_path: str | os.PathLike = "",
         schedule_costs: dict[str, float] | None = None,
+        auto_microbatches: tuple[int, ...] = (),
         base_name: str = "",
         base: str = "",
         precision: str = "fp32",
@@ -96,7 +101,11 @@ class Client(Connection):
         ``virtual_stages`` chunks per worker at those costs and keeps the fastest; the plan's
         ``schedule_choice`` lists each candidate's predicted step time and why the choice won.
         ``schedule_costs`` (seconds by stage and kind, "0F", "0B", "0I", "0W", ...) skips the
-        calibration and simulates at those costs.
+        calibration and simulates at those costs. ``auto_microbatches`` (with "auto") are other
+        microbatch counts the job may run at: every candidate is calibrated at each of them and at
+        ``microbatches``, and the job runs at the count whose fastest copy stepped fastest (the
+        plan's ``schedule_choice["microbatch_steps"]``): fewer microbatches pay fewer small
+        kernels' fixed costs and a longer fill and drain of the pipeline.
 
         ``device`` is the kind of worker the job runs on: "cpu", or "cuda" (workers started with
         ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
@@ -261,6 +270,8 @@ class Client(Connection):
         if decided:
             raise InvalidInput(f"a program decides {', '.join(sorted(decided))} itself")
         model = program.module()
+        if "auto_microbatches" in settings:
+            settings["auto_microbatches"] = _counts(settings["auto_microbatches"])
         try:
             config = JobConfig(
                 stages=program.ranks,
@@ -272,26 +283,35 @@ class Client(Connection):
             )
         except TypeError as e:  # an unknown setting
             raise InvalidInput(f"unknown setting for compile/pipeline: {e}") from None
+        counts = config.microbatch_counts()  # checked before anything is exported
         example_input, example_target = program.example_batch()
         for degree in ("data_parallel", "tensor_parallel"):  # the wire reads 0 as "not set"
             value = getattr(config, degree)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(f"{degree} must be a positive integer, got {value!r}")
         replicas = config.data_parallel
-        # exported at the shape of one microbatch of one replica
-        try:
-            # a job attached to a resident base sends the base's parameters as shapes: the workers hold them
-            frozen_values = not config.base
-            exported = export_pipeline(
-                model, example_input, example_target, program.loss_fn, microbatches * replicas, frozen_values
-            )
-        except InvalidInput:
-            if len(program.stage_names) > 1:
-                program.check_stages(microbatches * replicas)  # names the stage that fails, and what it reads
-            raise
+        exports = {}
+
+        def exported_at(count: int):
+            """The program exported at the shape of one of ``count`` microbatches of one replica."""
+            if count not in exports:
+                try:
+                    # a job attached to a resident base sends the base's parameters as shapes: the workers hold them
+                    frozen_values = not config.base
+                    exports[count] = export_pipeline(
+                        model, example_input, example_target, program.loss_fn, count * replicas, frozen_values
+                    )
+                except InvalidInput:
+                    if len(program.stage_names) > 1:
+                        program.check_stages(count * replicas)  # names the stage that fails, and what it reads
+                    raise
+            return exports[count]
+
+        exported_at(microbatches)
         self._keep_alive()
 
         def submit(config: JobConfig) -> Job:
+            exported = exported_at(config.microbatches)
             request = pb.PipelineProgram(
                 model_program=exported.model,
                 loss_program=exported.loss,
@@ -305,16 +325,18 @@ class Client(Connection):
             return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
         if config.schedule == "auto" and not config.schedule_costs:
-            costs = self._schedule_costs(config, submit, (example_input, example_target))
-            config = dataclasses.replace(config, schedule_costs=costs)
+            for count in counts:  # a count the batch does not divide into is refused before any copy loads
+                exported_at(count)
+            config = self._calibrated(config, submit, (example_input, example_target))
         job = submit(config)
         for warning in job.plan.report.get("warnings", ()):  # e.g. layers tensor parallelism left whole
             warnings.warn(warning, stacklevel=3)
         return job
 
-    def _schedule_costs(self, config: JobConfig, submit, batch: tuple) -> dict[str, float]:
-        """schedule="auto": each stage's action costs, measured on calibration copies of the job."""
-        return calibrate.combined(calibrate.run_copies(submit, calibrate.calibration_configs(config), batch))
+    def _calibrated(self, config: JobConfig, submit, batch: tuple) -> JobConfig:
+        """schedule="auto": ``config`` with each stage's action costs measured on calibration copies
+        of the job, at the microbatch count chosen among ``auto_microbatches`` (atoll.client.calibrate)."""
+        return calibrate.calibrated(config, calibrate.run_copies(submit, calibrate.calibration_configs(config), batch))
 
     def parameter_server(self, model: nn.Module, *, example_input, example_target, loss_fn, **settings):
         """A parameter-server job (atoll.client.parameter_server): ``servers`` workers hold the
@@ -330,6 +352,16 @@ class Client(Connection):
         """Attach to a job that is already loaded (raises NotFound for an unknown id)."""
         reply = self._call("GetPlan", pb.JobRef(job_id=job_id))
         return Job(self, job_id, Plan(json.loads(reply.plan_json)), next_step=reply.next_step)
+
+
+def _counts(value) -> tuple:
+    """``auto_microbatches`` as JobConfig holds it: a tuple (a list given, or one count)."""
+    if isinstance(value, int):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidInput(f"auto_microbatches must be microbatch counts, got {value!r}") from None
 
 
 def connect(

@@ -117,6 +117,14 @@ class JobConfig:
     whole parameters and one unit's gradients at a time, instead of all of its parameters for the
     whole step (runtime/worker/executor/zero.py). Units follow the stages: ``virtual_stages`` cuts
     a pure data-parallel job (``stages=1``) into that many."""
+    auto_microbatches: tuple[int, ...] = ()
+    """For ``schedule="auto"``: other microbatch counts the job may run at. ``Client.pipeline``
+    calibrates every candidate schedule at each count and at ``microbatches``, and submits the
+    job at the count whose fastest copy stepped fastest (``microbatch_steps``)."""
+    microbatch_steps: dict = field(default_factory=dict)
+    """Set by the calibration when ``auto_microbatches`` were given: each count's (a string) step
+    in seconds, as its fastest calibration copy measured it; the shortest chose ``microbatches``.
+    The plan's ``schedule_choice`` lists them."""
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
@@ -133,6 +141,20 @@ class JobConfig:
         if self.microbatches < 2 * self.stages:  # DualPipeV needs as many microbatches as stages
             names = tuple(n for n in names if n != "dualpipev")
         return names
+
+    def microbatch_counts(self) -> tuple[int, ...]:
+        """The microbatch counts the job may run at: ``microbatches``, then the other
+        ``auto_microbatches`` from the fewest; raises InvalidInput where one is not a positive
+        integer, or where they are given to a schedule other than "auto"."""
+        others = self.auto_microbatches
+        if others and self.schedule != "auto":
+            raise InvalidInput(
+                f'auto_microbatches are counts for schedule "auto" to choose among, not for {self.schedule!r}'
+            )
+        for count in others:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise InvalidInput(f"auto_microbatches must be positive integers, got {count!r}")
+        return (self.microbatches, *sorted(set(others) - {self.microbatches}))
 
     def split_backward_refused(self) -> str:
         """Why this job's settings cannot split a backward (a zero-bubble schedule), or ""."""
