@@ -91,6 +91,8 @@ from peers import peer_context  # noqa: E402
 from stage_limit import WINDOW_S, RankCosts  # noqa: E402
 
 import atoll  # noqa: E402
+from atoll.client.calibrate import calibration_configs  # noqa: E402
+from atoll.core.config import JobConfig  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from atoll.core.spans import WAIT  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
@@ -193,10 +195,21 @@ def steady_round_steps(args) -> int:
 
 class AtollSide:
     def __init__(
-        self, client, model, batches, args, schedule: str, virtual: int, microbatches: int = 0, auto_microbatches=()
+        self,
+        client,
+        model,
+        batches,
+        args,
+        schedule: str,
+        virtual: int,
+        microbatches: int = 0,
+        even_split: bool = True,
+        **auto_layouts,
     ):
-        """``microbatches``: the job's count, if not ``--microbatches``; ``auto_microbatches``: other
-        counts ``schedule="auto"`` may choose."""
+        """``microbatches``: the job's count, if not ``--microbatches``; ``even_split``: cut the
+        stages between whole blocks, as torch's are (``even_split_points``), else by cost;
+        ``auto_layouts``: the other layouts ``schedule="auto"`` may choose (``auto_microbatches``,
+        ``auto_virtual_stages``)."""
         x, y = batches[0]
         self.job = client.pipeline(
             model,
@@ -205,19 +218,22 @@ class AtollSide:
             loss_fn=loss_of(args),
             stages=args.ranks,
             microbatches=microbatches or args.microbatches,
-            auto_microbatches=auto_microbatches,
             schedule=schedule,
             virtual_stages=virtual,
             optimizer="sgd",
             optimizer_args={"lr": 0.01},
             device=args.device,
-            split_points=even_split_points(model, args.ranks * virtual),
+            split_points=even_split_points(model, args.ranks * virtual) if even_split else None,
+            **auto_layouts,
         )
         self.batches, self.args, self.next = batches, args, 0
         # the same batches placed once on the workers that read them (input on the first rank,
         # target on the last), as torch's ranks hold theirs: the resident rounds step on these
         self.resident = [self.job.put_batch(x, y) for x, y in batches]
-        self.stage_blocks = [[int(b) for b in s["modules"]] for s in self.job.plan.report["stages"]]
+        # which blocks each stage holds, for torch's stages and the limit; cut by cost, a stage may
+        # start inside a block ("1.ln1"), which neither uses
+        stages = self.job.plan.report["stages"]
+        self.stage_blocks = [[int(b) for b in s["modules"]] for s in stages] if even_split else None
         self.run(args.warmup)
 
     def run(
@@ -602,23 +618,39 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     call's (``AtollSide.steady_rate``), as the calibration measures, since a long run pays its
     first call's way in once (the rows' several-to-a-call rates, listed beside, pay it once a
     round). The chosen schedule's measured step is the median of both its copies' rounds (the
-    auto job's own beside it). With ``--auto-microbatches`` the job may also run at those counts:
-    every candidate runs beside it at each count, named "SCHEDULE@COUNT"."""
-    atoll = AtollSide(client, model, batches, args, "auto", 1, auto_microbatches=args.auto_microbatches)
-    choice = atoll.job.plan.report["schedule_choice"]
-    counts = [args.microbatches, *sorted(set(args.auto_microbatches) - {args.microbatches})]
+    auto job's own beside it). With ``--auto-microbatches`` or ``--auto-virtual-stages`` the job
+    may also run in those layouts: every candidate the calibration measured runs beside it, named
+    "SCHEDULE@MxV" (M microbatches, V chunks per worker); with other chunks per worker all of them
+    cut their stages by cost, as the auto job must, so the rows (cut as torch's are) are not
+    listed beside them."""
+    choosing_chunks = bool(args.auto_virtual_stages)
+    layouts = {"auto_microbatches": args.auto_microbatches, "auto_virtual_stages": args.auto_virtual_stages}
+    atoll = AtollSide(client, model, batches, args, "auto", 1, even_split=not choosing_chunks, **layouts)
+    report = atoll.job.plan.report
+    choice = report["schedule_choice"]
+    calibrated = calibration_configs(
+        JobConfig(stages=args.ranks, microbatches=args.microbatches, schedule="auto", **layouts)
+    )
+    several = len({(c.microbatches, c.virtual_stages) for c in calibrated}) > 1
 
-    def named(schedule: str, count: int) -> str:
-        return f"{schedule}@{count}" if len(counts) > 1 else schedule
+    def named(schedule: str, microbatches: int, chunks: int) -> str:
+        return f"{schedule}@{microbatches}x{chunks}" if several else schedule
 
-    chosen_count = atoll.job.plan.report["microbatches"]
-    predicted = {named(c["schedule"], chosen_count): c["predicted_step_s"] for c in choice["candidates"]}
-    lone = {named(c["schedule"], chosen_count): c["predicted_lone_step_s"] for c in choice["candidates"]}
+    chosen = named(choice["chosen"], report["microbatches"], report["virtual_stages"])
+    predicted = {
+        named(c["schedule"], report["microbatches"], report["virtual_stages"]): c["predicted_step_s"]
+        for c in choice["candidates"]
+    }
+    lone = {
+        named(c["schedule"], report["microbatches"], report["virtual_stages"]): c["predicted_lone_step_s"]
+        for c in choice["candidates"]
+    }
     sides = {"auto": atoll}
     try:
-        for count in counts:
-            for c in choice["candidates"]:  # the same schedules at every count (one chunk per worker)
-                sides[named(c["schedule"], count)] = AtollSide(client, model, batches, args, c["schedule"], 1, count)
+        for c in calibrated:  # every candidate in every layout, as the calibration measured them
+            sides[named(c.schedule, c.microbatches, c.virtual_stages)] = AtollSide(
+                client, model, batches, args, c.schedule, c.virtual_stages, c.microbatches, not choosing_chunks
+            )
         together: dict[str, list[float]] = {name: [] for name in sides}
         waited: dict[str, list[float]] = {name: [] for name in sides}
         for turn in range(args.rounds):
@@ -628,8 +660,7 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     finally:
         for side in sides.values():
             side.close()
-    chosen = named(choice["chosen"], chosen_count)
-    row = {"chosen": chosen, "why": choice["why"], "microbatch_steps": choice["microbatch_steps"]}
+    row = {"chosen": chosen, "why": choice["why"], "layout_steps": choice["layout_steps"]}
     for sfx, rates, prediction, in_rows in (
         ("", waited, lone, "atoll_steps_per_s"),
         ("_back_to_back", together, predicted, "atoll_per_call_steps_per_s"),
@@ -651,7 +682,10 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
                 name: round(median(r), 3) for name, r in rates.items() if name != "auto"
             },
             f"measured_steps_per_s_by_candidate_in_rows{sfx}": {
-                name: r[in_rows] for r in rows if (name := named(r["schedule"], args.microbatches)) in sides
+                name: r[in_rows]
+                for r in rows
+                if not choosing_chunks
+                and (name := named(r["schedule"], args.microbatches, r["virtual_stages"])) in sides
             },
             # the chosen schedule's rate over the fastest measured (1.0: none measured faster)
             f"chosen_vs_fastest_measured{sfx}": round(chosen_rate / max([chosen_rate, *others]), 3),
@@ -740,6 +774,12 @@ def main() -> None:
         type=lambda text: [int(c) for c in text.split(",") if c],
         default=[],
         help='other microbatch counts schedule="auto" may choose (comma-separated); its candidates run at each',
+    )
+    parser.add_argument(
+        "--auto-virtual-stages",
+        type=lambda text: [int(c) for c in text.split(",") if c],
+        default=[],
+        help='other chunks per worker schedule="auto" may choose (comma-separated; its stages then cut by cost)',
     )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--layers", type=int, default=6)

@@ -123,31 +123,34 @@ def test_calibration_measures_every_candidate_under_its_own_order():
 
 
 @pytest.mark.cluster
-def test_auto_chooses_among_microbatch_counts_and_trains_as_one_process(client4):
-    """With ``auto_microbatches`` every candidate is calibrated at each count; the job runs at the
-    count whose fastest copy stepped fastest, says so in its plan, and trains as one process does
-    (the step's loss is the batch's mean at any count). On this tiny model a microbatch's fixed
-    costs outweigh its compute, so the job will mostly run at a count other than its own 8."""
+def test_auto_chooses_the_layout_too_and_trains_as_one_process(client4):
+    """With ``auto_microbatches`` and ``auto_virtual_stages`` every candidate is calibrated in each
+    layout; the job runs in the layout whose fastest copy stepped fastest, says so in its plan, and
+    trains as one process does (the step's loss is the batch's mean in any layout). On this tiny
+    model a microbatch's fixed costs outweigh its compute, so the job will mostly run at a count
+    other than its own 8."""
     model, batches, loss_fn = models.mlp()
     x, y = batches[0]
     job = client4.pipeline(
         model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=8, schedule="auto",
-        auto_microbatches=[2, 4], optimizer="adamw", optimizer_args=ADAMW,
+        auto_microbatches=[2], auto_virtual_stages=[2], optimizer="adamw", optimizer_args=ADAMW,
     )  # fmt: skip
     try:
         report = job.plan.report
-        steps = report["schedule_choice"]["microbatch_steps"]
-        assert sorted(steps, key=int) == ["2", "4", "8"] and all(s > 0 for s in steps.values())
+        steps = report["schedule_choice"]["layout_steps"]
+        assert sorted(steps) == ["2x1", "2x2", "8x1", "8x2"] and all(s > 0 for s in steps.values())
         fastest = min(steps, key=steps.get)
-        assert report["microbatches"] == int(fastest)
+        microbatches, chunks = map(int, fastest.split("x"))
+        assert (report["microbatches"], report["virtual_stages"]) == (microbatches, chunks)
+        assert report["num_stages"] == 2 * chunks
         assert (
-            f"{fastest} microbatches: their fastest calibration copy stepped fastest"
+            f"{microbatches} microbatches x {chunks} chunk(s) per worker: their fastest calibration copy"
             in report["schedule_choice"]["why"]
         )
         losses = [job.step(a, b) for a, b in batches]
     finally:
         job.close()
-    ref_losses, _ = train_reference(model, batches, loss_fn, int(fastest), "adamw", ADAMW)
+    ref_losses, _ = train_reference(model, batches, loss_fn, microbatches, "adamw", ADAMW)
     assert_losses_match(losses, ref_losses)
     assert not [j for j in client4.status(all=True).jobs if "calibration" in j.name]  # the copies are closed
     with pytest.raises(InvalidInput, match="not divisible into 5 microbatches"):  # 32 rows: refused before any copy
@@ -155,27 +158,52 @@ def test_auto_chooses_among_microbatch_counts_and_trains_as_one_process(client4)
             model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=4, schedule="auto",
             auto_microbatches=[5],
         )  # fmt: skip
+    with pytest.raises(InvalidInput, match="auto_virtual_stages change the number of stages: give no split points"):
+        client4.pipeline(
+            model, example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=4, schedule="auto",
+            auto_virtual_stages=[2], split_points=["4"],
+        )  # fmt: skip
     assert not client4.status(all=True).jobs
 
 
-def test_microbatch_counts_are_checked_and_each_is_calibrated():
+def test_layouts_are_checked_and_each_is_calibrated():
     from atoll.client.calibrate import calibration_configs
 
     config = JobConfig(stages=2, microbatches=4, schedule="auto", name="j", auto_microbatches=(8, 2, 4))
-    assert config.microbatch_counts() == (4, 2, 8)  # the job's own first, then the fewest
+    assert config.layouts() == ((4, 1), (2, 1), (8, 1))  # the job's own first, then the fewest microbatches
     copies = [(c.microbatches, c.schedule) for c in calibration_configs(config)]
     assert copies == [(m, s) for m in (4, 2, 8) for s in ("1f1b", "zb_h1", "zb_h2", "gpipe")]
     copy = calibration_configs(config)[4]
-    assert copy.name == "j calibration (1f1b, 2 microbatches)" and copy.auto_microbatches == ()
+    assert copy.name == "j calibration (1f1b, 2x1)" and copy.auto_microbatches == ()
     # DualPipeV needs as many microbatches as stages: calibrated only at the counts that have them
     v = JobConfig(stages=2, microbatches=4, schedule="auto", virtual_stages=2, auto_microbatches=(2,))
     assert [(c.microbatches, c.schedule) for c in calibration_configs(v)] == [
         (4, "zbv"), (4, "dualpipev"), (4, "interleaved_1f1b"), (2, "zbv"), (2, "interleaved_1f1b"),
     ]  # fmt: skip
+    # chunks per worker: each layout's own candidates; interleaved 1F1B only where its rounds divide the count
+    chunks = JobConfig(stages=4, microbatches=6, schedule="auto", auto_virtual_stages=(2,), auto_microbatches=(8,))
+    assert chunks.layouts() == ((6, 1), (6, 2), (8, 1), (8, 2))
+    by_layout = {}
+    for c in calibration_configs(chunks):
+        by_layout.setdefault((c.microbatches, c.virtual_stages), []).append(c.schedule)
+        assert c.auto_virtual_stages == () and c.auto_microbatches == ()
+    assert by_layout == {
+        (6, 1): ["1f1b", "zb_h1", "zb_h2", "gpipe"], (6, 2): ["zbv", "interleaved_1f1b"],
+        (8, 1): ["1f1b", "zb_h1", "zb_h2", "gpipe"], (8, 2): ["zbv", "dualpipev", "interleaved_1f1b"],
+    }  # fmt: skip
+    assert "interleaved_1f1b" not in JobConfig(stages=4, microbatches=9, virtual_stages=2).auto_candidates()
     with pytest.raises(InvalidInput, match="for schedule \"auto\" to choose among, not for '1f1b'"):
-        JobConfig(stages=2, microbatches=4, schedule="1f1b", auto_microbatches=(2,)).microbatch_counts()
+        JobConfig(stages=2, microbatches=4, schedule="1f1b", auto_microbatches=(2,)).layouts()
+    with pytest.raises(InvalidInput, match="auto_virtual_stages are for schedule"):
+        JobConfig(stages=2, microbatches=4, schedule="gpipe", auto_virtual_stages=(2,)).layouts()
     with pytest.raises(InvalidInput, match="positive integers, got 0"):
-        JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(0,)).microbatch_counts()
+        JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(0,)).layouts()
+    with pytest.raises(InvalidInput, match="runs 1, 2 chunk\\(s\\) per worker, not auto_virtual_stages \\[3\\]"):
+        JobConfig(stages=2, microbatches=4, schedule="auto", auto_virtual_stages=(3,)).layouts()
+    with pytest.raises(InvalidInput, match="attached to a base runs in the base's chunks per worker"):
+        JobConfig(stages=2, microbatches=4, schedule="auto", auto_virtual_stages=(2,), base="b").layouts()
+    with pytest.raises(InvalidInput, match="give no split points"):
+        JobConfig(stages=2, microbatches=4, schedule="auto", auto_virtual_stages=(2,), split_at=("4",)).layouts()
     with pytest.raises(InvalidInput, match="auto_microbatches"):  # the compiler checks them too
         model, batches, loss_fn = models.mlp()
         models.compile_locally(
@@ -183,30 +211,41 @@ def test_microbatch_counts_are_checked_and_each_is_calibrated():
         )
 
 
-def test_the_count_whose_fastest_copy_stepped_fastest_is_chosen():
+def test_the_layout_whose_fastest_copy_stepped_fastest_is_chosen():
     from atoll.client.calibrate import Measured, calibrated
 
-    config = JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(2, 8))
+    config = JobConfig(stages=2, microbatches=4, schedule="auto", auto_microbatches=(2, 8), auto_virtual_stages=(2,))
 
-    def measured(steps: dict[tuple[int, str], float]) -> list:
+    def measured(steps: dict[tuple[int, int, str], float]) -> list:
         return [
-            Measured(JobConfig(stages=2, microbatches=m, schedule=s), {"0F": step, "0B": 2 * step}, step)
-            for (m, s), step in steps.items()
+            Measured(
+                JobConfig(stages=2, microbatches=m, virtual_stages=v, schedule=s), {"0F": step, "0B": 2 * step}, step
+            )
+            for (m, v, s), step in steps.items()
         ]
 
     got = calibrated(
-        config, measured({(4, "1f1b"): 3.0, (4, "gpipe"): 2.5, (2, "1f1b"): 2.0, (2, "gpipe"): 2.2, (8, "1f1b"): 2.4})
+        config,
+        measured({
+            (4, 1, "1f1b"): 3.0, (4, 1, "gpipe"): 2.5, (2, 1, "1f1b"): 2.6, (2, 2, "zbv"): 2.0,
+            (2, 2, "interleaved_1f1b"): 2.2, (8, 1, "1f1b"): 2.4,
+        }),
+    )  # fmt: skip
+    assert (got.microbatches, got.virtual_stages) == (2, 2)
+    assert got.layout_steps == {"2x1": 2.6, "2x2": 2.0, "4x1": 2.5, "8x1": 2.4}
+    assert got.schedule_costs["zbv/0F"] == 2.0 and got.schedule_costs["interleaved_1f1b/0F"] == 2.2  # its copies'
+    assert "1f1b/0F" not in got.schedule_costs
+    tie = calibrated(config, measured({(4, 1, "1f1b"): 2.0, (2, 1, "1f1b"): 2.0, (8, 2, "zbv"): 3.0}))
+    assert (tie.microbatches, tie.virtual_stages) == (4, 1)  # of equal steps, the job's own layout
+    alone = calibrated(JobConfig(stages=2, microbatches=4, schedule="auto"), measured({(4, 1, "1f1b"): 2.0}))
+    assert alone.microbatches == 4 and alone.layout_steps == {} and alone.schedule_costs["1f1b/0F"] == 2.0
+    # the compiler says why the job runs in its layout, listing each layout's step
+    choice = _compile(schedule_costs=_costs(1.0, 1.0, 1.0), layout_steps={"8x1": 2.4, "4x1": 2.0, "16x1": 3.0})
+    assert choice.schedule_choice.layout_steps == {"8x1": 2.4, "4x1": 2.0, "16x1": 3.0}
+    assert choice.schedule_choice.why.endswith(
+        "; 4 microbatches x 1 chunk(s) per worker: their fastest calibration copy stepped fastest "
+        "(2s at 4x1, 2.4s at 8x1, 3s at 16x1)"
     )
-    assert got.microbatches == 2 and got.microbatch_steps == {"2": 2.0, "4": 2.5, "8": 2.4}
-    assert got.schedule_costs["1f1b/0F"] == 2.0 and got.schedule_costs["gpipe/0F"] == 2.2  # the chosen count's copies
-    tie = calibrated(config, measured({(4, "1f1b"): 2.0, (2, "1f1b"): 2.0, (8, "1f1b"): 3.0}))
-    assert tie.microbatches == 4  # of equal steps, the job's own count
-    alone = calibrated(JobConfig(stages=2, microbatches=4, schedule="auto"), measured({(4, "1f1b"): 2.0}))
-    assert alone.microbatches == 4 and alone.microbatch_steps == {} and alone.schedule_costs["1f1b/0F"] == 2.0
-    # the compiler says why the job runs at its count, listing each count's step
-    choice = _compile(schedule_costs=_costs(1.0, 1.0, 1.0), microbatch_steps={"8": 2.4, "4": 2.0}).schedule_choice
-    assert choice.microbatch_steps == {"8": 2.4, "4": 2.0}
-    assert choice.why.endswith("; 4 microbatches: their fastest calibration copy stepped fastest (2s at 4, 2.4s at 8)")
 
 
 def test_each_candidate_is_simulated_at_the_costs_measured_under_it():

@@ -131,18 +131,18 @@ def test_pipeline_benchmark_runs_at_its_smallest_size():
     # calibrated, chosen among 1f1b, zb_h1, zb_h2 and gpipe at 2 and 4 microbatches, measured beside its prediction
     auto = report["auto"]
     schedules = {"1f1b", "zb_h1", "zb_h2", "gpipe"}
-    candidates = {f"{s}@{m}" for s in schedules for m in (2, 4)}
-    assert auto["chosen"] in candidates and set(auto["microbatch_steps"]) == {"2", "4"}
-    count = auto["chosen"].split("@")[1]  # the count whose fastest calibration copy stepped fastest
-    assert auto["microbatch_steps"][count] == min(auto["microbatch_steps"].values())
+    candidates = {f"{s}@{m}x1" for s in schedules for m in (2, 4)}
+    assert auto["chosen"] in candidates and set(auto["layout_steps"]) == {"2x1", "4x1"}
+    layout = auto["chosen"].split("@")[1]  # the layout whose fastest calibration copy stepped fastest
+    assert auto["layout_steps"][layout] == min(auto["layout_steps"].values())
     row_rates = {"": "atoll_steps_per_s", "_back_to_back": "atoll_per_call_steps_per_s"}  # waited for; to a call
     for sfx, in_rows in row_rates.items():
-        predicted = {f"{s}@{count}" for s in schedules}  # the compiler simulates the candidates at the chosen count
+        predicted = {f"{s}@{layout}" for s in schedules}  # the compiler simulates the candidates of the chosen layout
         assert set(auto[f"predicted_step_s_by_candidate{sfx}"]) == predicted and auto[f"measured_step_s{sfx}"] > 0
         assert auto[f"predicted_over_measured{sfx}"] == pytest.approx(
             auto[f"predicted_step_s{sfx}"] / auto[f"measured_step_s{sfx}"], rel=1e-2, abs=1e-3
         )
-        assert auto[f"measured_steps_per_s_by_candidate_in_rows{sfx}"] == {"zb_h2@2": report["rows"][0][in_rows]}
+        assert auto[f"measured_steps_per_s_by_candidate_in_rows{sfx}"] == {"zb_h2@2x1": report["rows"][0][in_rows]}
         in_turn = auto[f"measured_steps_per_s_by_candidate_in_turn{sfx}"]  # every candidate, beside the auto job
         assert set(in_turn) == candidates and min(in_turn.values()) > 0
         assert 0 < auto[f"chosen_vs_fastest_measured{sfx}"] <= 1 and auto[f"auto_job_vs_same_schedule_beside{sfx}"] > 0
@@ -159,6 +159,22 @@ def test_dispatch_benchmarks_simulated_workers_register_load_and_step():
     measured = dispatch.simulated_dispatch([4], 1, idle_window_s=0.5)
     assert set(measured["4"]) == {"direct", "relay"}
     assert all(m["steps_per_s"] > 0 for m in measured["4"].values())
+
+
+def test_pipeline_benchmark_lets_auto_choose_chunks_per_worker_at_its_smallest_size():
+    """``--auto-virtual-stages 2``: the calibration measures 1 and 2 chunks per worker, each
+    layout's own candidates (DualPipeV needs 4 microbatches: not at 2), the stages of all cut by cost."""
+    args = ["--schedules", "auto", "--ranks", "2", "--microbatches", "2", "--batch", "4", "--layers", "2"]
+    args += ["--d-model", "16", "--heads", "2", "--block-size", "8", "--rounds", "1", "--steps", "2", "--warmup", "1"]
+    auto = _run_bench("pipeline.py", *args, "--steps-per-call", "2", "--auto-virtual-stages", "2")["auto"]
+    candidates = {f"{s}@2x1" for s in ("1f1b", "zb_h1", "zb_h2", "gpipe")} | {"zbv@2x2", "interleaved_1f1b@2x2"}
+    assert set(auto["layout_steps"]) == {"2x1", "2x2"} and auto["chosen"] in candidates
+    layout = auto["chosen"].split("@")[1]
+    assert auto["layout_steps"][layout] == min(auto["layout_steps"].values())
+    assert set(auto["predicted_step_s_by_candidate"]) == {c for c in candidates if c.endswith(f"@{layout}")}
+    for sfx in ("", "_back_to_back"):
+        assert set(auto[f"measured_steps_per_s_by_candidate_in_turn{sfx}"]) == candidates
+        assert 0 < auto[f"chosen_vs_fastest_measured{sfx}"] <= 1
 
 
 def _run_bench(script: str, *args: str) -> dict:

@@ -26,7 +26,12 @@ def test_every_setting_survives_the_wire():
     )
     assert JobConfig.from_pb(pb.JobConfig.FromString(config.to_pb().SerializeToString())) == config
     auto = JobConfig(
-        stages=2, microbatches=4, schedule="auto", auto_microbatches=(2, 8), microbatch_steps={"2": 0.5, "4": 0.25}
+        stages=2,
+        microbatches=4,
+        schedule="auto",
+        auto_microbatches=(2, 8),
+        auto_virtual_stages=(2,),
+        layout_steps={"2x1": 0.5, "4x2": 0.25},
     )
     assert JobConfig.from_pb(pb.JobConfig.FromString(auto.to_pb().SerializeToString())) == auto
 

@@ -53,9 +53,10 @@ class Choice:
     costs: str
     """"measured" (the client's calibration) or "flops" (the stages' FLOP counts)."""
     why: str
-    microbatch_steps: dict[str, float]
-    """With ``auto_microbatches``: each microbatch count's step as its fastest calibration copy
-    measured it (``JobConfig.microbatch_steps``), the shortest of which chose the job's count."""
+    layout_steps: dict[str, float]
+    """With ``auto_microbatches`` or ``auto_virtual_stages``: each layout's ("MxV") step as its
+    fastest calibration copy measured it (``JobConfig.layout_steps``), the shortest of which chose
+    the job's."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,9 +134,13 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
             f"{best.schedule}: the shortest predicted step, {step}, {gain:.1%} ahead of {runner.schedule} "
             f"({runner.predicted_step_s:.4g}{unit})"
         )
-    if cfg.microbatch_steps:
-        measured = sorted(cfg.microbatch_steps.items(), key=lambda item: int(item[0]))  # the wire sorts them as text
-        steps = ", ".join(f"{s:.4g}s at {count}" for count, s in measured)
-        why += f"; {cfg.microbatches} microbatches: their fastest calibration copy stepped fastest ({steps})"
-    choice = Choice(best.schedule, rows, "measured" if cfg.schedule_costs else "flops", why, cfg.microbatch_steps)
+    if cfg.layout_steps:
+        # "MxV" sorted as numbers (the wire sorts them as text)
+        measured = sorted(cfg.layout_steps.items(), key=lambda item: tuple(map(int, item[0].split("x"))))
+        steps = ", ".join(f"{s:.4g}s at {layout}" for layout, s in measured)
+        why += (
+            f"; {cfg.microbatches} microbatches x {cfg.virtual_stages} chunk(s) per worker: "
+            f"their fastest calibration copy stepped fastest ({steps})"
+        )
+    choice = Choice(best.schedule, rows, "measured" if cfg.schedule_costs else "flops", why, cfg.layout_steps)
     return dataclasses.replace(topo, schedule=best.schedule), choice

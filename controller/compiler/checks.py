@@ -35,7 +35,7 @@ def check_config(cfg: JobConfig) -> None:
         raise InvalidInput(
             "sequence_parallel slices the sequence over a tensor-parallel island: needs tensor_parallel > 1"
         )
-    cfg.microbatch_counts()  # auto_microbatches: positive counts, and only for schedule "auto"
+    cfg.layouts()  # auto_microbatches and auto_virtual_stages: what "auto" runs, and only for it
     if cfg.schedule in SPLIT_BACKWARD_SCHEDULES and (why := cfg.split_backward_refused()):
         raise InvalidInput(f"schedule {cfg.schedule!r} splits the backward; {why}")
     if cfg.base and cfg.base_name:

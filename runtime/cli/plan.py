@@ -47,8 +47,8 @@ class _PlanOnlyClient(Client):
         pass
 
     def _calibrated(self, config, submit, batch):
-        """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts, at the
-        job's own microbatch count."""
+        """No workers to calibrate on: schedule="auto" simulates at the stages' FLOP counts, in the
+        job's own layout."""
         return config
 
     def _call(self, method: str, request, timeout_s: float | None = None):

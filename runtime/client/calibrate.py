@@ -13,10 +13,11 @@ an action's cost depends on it: on 2 ranks of the MLP job of bench/pipeline.py, 
 one after another ran 17% faster per step than 1F1B's alternation, which costs measured under
 1F1B did not predict.
 
-Given ``auto_microbatches``, every candidate is calibrated at each count too, all the copies
-loaded and run in turn together, and the job runs at the count whose fastest copy stepped fastest
-(``calibrated``). The count is chosen here, on what the copies measured, because the program is
-exported at one microbatch's shape: the compiler then chooses among the schedules at that count by
+Given ``auto_microbatches`` or ``auto_virtual_stages``, every candidate is calibrated in each
+layout too (``JobConfig.layouts``: microbatches x chunks per worker), all the copies loaded and run
+in turn together, and the job runs in the layout whose fastest copy stepped fastest
+(``calibrated``). The layout is chosen here, on what the copies measured, because the program is
+exported at one microbatch's shape: the compiler then chooses among the schedules of that layout by
 simulating them at its copies' costs, which for a calibrated candidate gives back the step its
 copy measured (its simulation plus the overheads measured beyond it).
 """
@@ -71,17 +72,19 @@ class Measured:
 
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
     """The throw-away copies to measure: the job's own settings under each candidate schedule
-    (``JobConfig.auto_candidates``) at each of its microbatch counts (``JobConfig.microbatch_counts``),
-    never saved or resumed, sharing their workers."""
+    (``JobConfig.auto_candidates``) in each of its layouts (``JobConfig.layouts``), never saved or
+    resumed, sharing their workers."""
     copies = []
-    counts = config.microbatch_counts()
-    for count in counts:
-        at_count = dataclasses.replace(config, microbatches=count, auto_microbatches=())
-        for schedule in at_count.auto_candidates():
-            label = schedule if len(counts) == 1 else f"{schedule}, {count} microbatches"
+    layouts = config.layouts()
+    for microbatches, chunks in layouts:
+        layout = dataclasses.replace(
+            config, microbatches=microbatches, virtual_stages=chunks, auto_microbatches=(), auto_virtual_stages=()
+        )
+        for schedule in layout.auto_candidates():
+            label = schedule if len(layouts) == 1 else f"{schedule}, {layout_name(microbatches, chunks)}"
             copies.append(
                 dataclasses.replace(
-                    at_count,
+                    layout,
                     schedule=schedule,
                     name=f"{config.name} calibration ({label})",
                     detached=False,
@@ -91,6 +94,11 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
                 )
             )
     return copies
+
+
+def layout_name(microbatches: int, chunks: int) -> str:
+    """A layout as ``JobConfig.layout_steps`` names it: "8x2", 8 microbatches, 2 chunks per worker."""
+    return f"{microbatches}x{chunks}"
 
 
 def costs_of(summary: dict, wall_s: float, back_to_back_s: float | None = None) -> dict[str, float]:
@@ -166,21 +174,23 @@ def run_copies(submit, configs: list[JobConfig], batch: tuple) -> list[Measured]
 
 
 def calibrated(config: JobConfig, measured: list[Measured]) -> JobConfig:
-    """``config`` to submit after the calibration: at the microbatch count whose fastest copy
-    measured the shortest step (of equal ones, the job's own ``microbatches``, then the fewest),
-    with the costs its copies measured (``combined``) and, where several counts were measured,
-    each count's step (``JobConfig.microbatch_steps``)."""
-    steps: dict[int, float] = {}
+    """``config`` to submit after the calibration: in the layout whose fastest copy measured the
+    shortest step (of equal ones, the job's own, then the fewest microbatches and chunks), with the
+    costs its copies measured (``combined``) and, where several layouts were measured, each one's
+    step (``JobConfig.layout_steps``)."""
+    steps: dict[tuple[int, int], float] = {}
     for m in measured:
-        count = m.config.microbatches
-        steps[count] = min(steps.get(count, m.step_s), m.step_s)
-    chosen = min(steps, key=lambda count: (steps[count], count != config.microbatches, count))
-    costs = combined({m.config.schedule: m.costs for m in measured if m.config.microbatches == chosen})
+        layout = (m.config.microbatches, m.config.virtual_stages)
+        steps[layout] = min(steps.get(layout, m.step_s), m.step_s)
+    own = (config.microbatches, config.virtual_stages)
+    chosen = min(steps, key=lambda layout: (steps[layout], layout != own, layout))
+    at_chosen = [m for m in measured if (m.config.microbatches, m.config.virtual_stages) == chosen]
     return dataclasses.replace(
         config,
-        microbatches=chosen,
-        schedule_costs=costs,
-        microbatch_steps={str(count): s for count, s in sorted(steps.items())} if len(steps) > 1 else {},
+        microbatches=chosen[0],
+        virtual_stages=chosen[1],
+        schedule_costs=combined({m.config.schedule: m.costs for m in at_chosen}),
+        layout_steps={layout_name(*layout): s for layout, s in sorted(steps.items())} if len(steps) > 1 else {},
     )
 
 

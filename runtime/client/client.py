@@ -28,7 +28,7 @@ from atoll.net.tls import Tls
 # the settings are spelled once, in pipeline's signature, and become a JobConfig once, in compile.
 _PROGRAM_DECIDES = ("stages", "split_at", "islands")
 # and those the calibration of schedule="auto" sets (atoll.client.calibrate)
-_CALIBRATION_SETS = ("microbatch_steps",)
+_CALIBRATION_SETS = ("layout_steps",)
 _PIPELINE_SETTINGS = tuple(
     f.name for f in dataclasses.fields(JobConfig) if f.name not in _PROGRAM_DECIDES + _CALIBRATION_SETS
 )
@@ -75,6 +75,7 @@ class Client(Connection):
         checkpoint_path: str | os.PathLike = "",
         schedule_costs: dict[str, float] | None = None,
         auto_microbatches: tuple[int, ...] = (),
+        auto_virtual_stages: tuple[int, ...] = (),
         base_name: str = "",
         base: str = "",
         precision: str = "fp32",
@@ -101,11 +102,12 @@ class Client(Connection):
         ``virtual_stages`` chunks per worker at those costs and keeps the fastest; the plan's
         ``schedule_choice`` lists each candidate's predicted step time and why the choice won.
         ``schedule_costs`` (seconds by stage and kind, "0F", "0B", "0I", "0W", ...) skips the
-        calibration and simulates at those costs. ``auto_microbatches`` (with "auto") are other
-        microbatch counts the job may run at: every candidate is calibrated at each of them and at
-        ``microbatches``, and the job runs at the count whose fastest copy stepped fastest (the
-        plan's ``schedule_choice["microbatch_steps"]``): fewer microbatches pay fewer small
-        kernels' fixed costs and a longer fill and drain of the pipeline.
+        calibration and simulates at those costs. ``auto_microbatches`` and ``auto_virtual_stages``
+        (with "auto") are other microbatch counts and chunks per worker the job may run with: every
+        candidate is calibrated in each such layout and in the job's own, and the job runs in the
+        layout whose fastest copy stepped fastest (the plan's ``schedule_choice["layout_steps"]``,
+        by "MxV"): fewer microbatches pay fewer small kernels' fixed costs and a longer fill and
+        drain of the pipeline. Other chunks per worker need the stages cut by cost (no ``split_points``).
 
         ``device`` is the kind of worker the job runs on: "cpu", or "cuda" (workers started with
         ``--device cuda:N``; the model is exported on CPU and moved there by the workers).
@@ -270,8 +272,9 @@ class Client(Connection):
         if decided:
             raise InvalidInput(f"a program decides {', '.join(sorted(decided))} itself")
         model = program.module()
-        if "auto_microbatches" in settings:
-            settings["auto_microbatches"] = _counts(settings["auto_microbatches"])
+        for name in ("auto_microbatches", "auto_virtual_stages"):
+            if name in settings:
+                settings[name] = _values(name, settings[name])
         try:
             config = JobConfig(
                 stages=program.ranks,
@@ -283,7 +286,7 @@ class Client(Connection):
             )
         except TypeError as e:  # an unknown setting
             raise InvalidInput(f"unknown setting for compile/pipeline: {e}") from None
-        counts = config.microbatch_counts()  # checked before anything is exported
+        layouts = config.layouts()  # checked before anything is exported
         example_input, example_target = program.example_batch()
         for degree in ("data_parallel", "tensor_parallel"):  # the wire reads 0 as "not set"
             value = getattr(config, degree)
@@ -325,7 +328,7 @@ class Client(Connection):
             return Job(self, reply.job_id, Plan(json.loads(reply.plan_json)))
 
         if config.schedule == "auto" and not config.schedule_costs:
-            for count in counts:  # a count the batch does not divide into is refused before any copy loads
+            for count, _ in layouts:  # a count the batch does not divide into is refused before any copy loads
                 exported_at(count)
             config = self._calibrated(config, submit, (example_input, example_target))
         job = submit(config)
@@ -335,7 +338,7 @@ class Client(Connection):
 
     def _calibrated(self, config: JobConfig, submit, batch: tuple) -> JobConfig:
         """schedule="auto": ``config`` with each stage's action costs measured on calibration copies
-        of the job, at the microbatch count chosen among ``auto_microbatches`` (atoll.client.calibrate)."""
+        of the job, in the layout chosen among its ``layouts`` (atoll.client.calibrate)."""
         return calibrate.calibrated(config, calibrate.run_copies(submit, calibrate.calibration_configs(config), batch))
 
     def parameter_server(self, model: nn.Module, *, example_input, example_target, loss_fn, **settings):
@@ -354,14 +357,15 @@ class Client(Connection):
         return Job(self, job_id, Plan(json.loads(reply.plan_json)), next_step=reply.next_step)
 
 
-def _counts(value) -> tuple:
-    """``auto_microbatches`` as JobConfig holds it: a tuple (a list given, or one count)."""
+def _values(name: str, value) -> tuple:
+    """``auto_microbatches`` or ``auto_virtual_stages`` as JobConfig holds them: a tuple (a list
+    given, or one number)."""
     if isinstance(value, int):
         return (value,)
     try:
         return tuple(value)
     except TypeError:
-        raise InvalidInput(f"auto_microbatches must be microbatch counts, got {value!r}") from None
+        raise InvalidInput(f"{name} must be a list of numbers, got {value!r}") from None
 
 
 def connect(

@@ -118,18 +118,21 @@ class JobConfig:
     whole step (runtime/worker/executor/zero.py). Units follow the stages: ``virtual_stages`` cuts
     a pure data-parallel job (``stages=1``) into that many."""
     auto_microbatches: tuple[int, ...] = ()
-    """For ``schedule="auto"``: other microbatch counts the job may run at. ``Client.pipeline``
-    calibrates every candidate schedule at each count and at ``microbatches``, and submits the
-    job at the count whose fastest copy stepped fastest (``microbatch_steps``)."""
-    microbatch_steps: dict = field(default_factory=dict)
-    """Set by the calibration when ``auto_microbatches`` were given: each count's (a string) step
-    in seconds, as its fastest calibration copy measured it; the shortest chose ``microbatches``.
-    The plan's ``schedule_choice`` lists them."""
+    """For ``schedule="auto"``: other microbatch counts the job may run at (``layouts``)."""
+    auto_virtual_stages: tuple[int, ...] = ()
+    """For ``schedule="auto"``: other numbers of model chunks per worker the job may run with
+    (``layouts``; the stages are then cut by cost: no ``split_at``)."""
+    layout_steps: dict = field(default_factory=dict)
+    """Set by ``Client.pipeline``'s calibration where ``auto_microbatches`` or
+    ``auto_virtual_stages`` were given: the step in seconds of each layout ("MxV": M microbatches,
+    V chunks per worker) as its fastest calibration copy measured it; the shortest chose
+    ``microbatches`` and ``virtual_stages``. The plan's ``schedule_choice`` lists them."""
 
     def auto_candidates(self) -> tuple[str, ...]:
         """The schedules ``schedule="auto"`` chooses among for this job: those that run
         ``virtual_stages`` chunks per worker, less the split-backward ones where the job's settings
-        refuse them (``split_backward_refused``) and DualPipeV where it has fewer microbatches than stages."""
+        refuse them (``split_backward_refused``), DualPipeV where it has fewer microbatches than
+        stages and interleaved 1F1B where its rounds do not divide the microbatches."""
         names = AUTO_CANDIDATES.get(self.virtual_stages)
         if names is None:
             known = ", ".join(map(str, AUTO_CANDIDATES))
@@ -140,21 +143,38 @@ class JobConfig:
             names = tuple(n for n in names if n not in SPLIT_BACKWARD_SCHEDULES)
         if self.microbatches < 2 * self.stages:  # DualPipeV needs as many microbatches as stages
             names = tuple(n for n in names if n != "dualpipev")
+        if self.microbatches % max(1, self.microbatches // self.stages):  # as Topology.rounds
+            names = tuple(n for n in names if n != "interleaved_1f1b")
         return names
 
-    def microbatch_counts(self) -> tuple[int, ...]:
-        """The microbatch counts the job may run at: ``microbatches``, then the other
-        ``auto_microbatches`` from the fewest; raises InvalidInput where one is not a positive
-        integer, or where they are given to a schedule other than "auto"."""
-        others = self.auto_microbatches
-        if others and self.schedule != "auto":
+    def layouts(self) -> tuple[tuple[int, int], ...]:
+        """The (microbatches, virtual_stages) pairs the job may run with: its own first, then each
+        of ``microbatches`` and ``auto_microbatches`` with each of ``virtual_stages`` and
+        ``auto_virtual_stages``. Raises InvalidInput where a count is not a positive integer, a
+        number of chunks is not one "auto" runs, or they are given to a schedule other than "auto"
+        or (other chunks) with the stages' cuts named or to a job attached to a base."""
+        given = {"auto_microbatches": self.auto_microbatches, "auto_virtual_stages": self.auto_virtual_stages}
+        for name, values in given.items():
+            if values and self.schedule != "auto":
+                raise InvalidInput(f'{name} are for schedule "auto" to choose among, not for {self.schedule!r}')
+            for value in values:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidInput(f"{name} must be positive integers, got {value!r}")
+        chunks = (self.virtual_stages, *sorted(set(self.auto_virtual_stages) - {self.virtual_stages}))
+        unknown = [v for v in chunks[1:] if v not in AUTO_CANDIDATES]
+        if unknown:
+            known = ", ".join(map(str, AUTO_CANDIDATES))
+            raise InvalidInput(f'schedule "auto" runs {known} chunk(s) per worker, not auto_virtual_stages {unknown}')
+        if len(chunks) > 1 and self.base:
             raise InvalidInput(
-                f'auto_microbatches are counts for schedule "auto" to choose among, not for {self.schedule!r}'
+                "a job attached to a base runs in the base's chunks per worker: give no auto_virtual_stages"
             )
-        for count in others:
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise InvalidInput(f"auto_microbatches must be positive integers, got {count!r}")
-        return (self.microbatches, *sorted(set(others) - {self.microbatches}))
+        if len(chunks) > 1 and self.split_at:
+            raise InvalidInput(
+                "auto_virtual_stages change the number of stages: give no split points (the stages are cut by cost)"
+            )
+        counts = (self.microbatches, *sorted(set(self.auto_microbatches) - {self.microbatches}))
+        return tuple((m, v) for m in counts for v in chunks)
 
     def split_backward_refused(self) -> str:
         """Why this job's settings cannot split a backward (a zero-bubble schedule), or ""."""
