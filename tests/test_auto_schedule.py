@@ -166,6 +166,27 @@ def test_auto_chooses_the_layout_too_and_trains_as_one_process(client4):
     assert not client4.status(all=True).jobs
 
 
+@pytest.mark.cluster
+def test_a_resident_base_calibrates_on_copies_that_are_not_bases(client4):
+    """The copies of a base (``load_base``) are plain jobs: as bases they would take its name."""
+    from atoll.client.calibrate import calibration_configs
+
+    model, batches, loss_fn = models.mlp()
+    x, y = batches[0]
+    base = client4.load_base(
+        model, name="auto-base", example_input=x, example_target=y, loss_fn=loss_fn, stages=2, microbatches=4,
+        schedule="auto",
+    )  # fmt: skip
+    try:
+        assert base.plan.report["schedule"] == base.plan.report["schedule_choice"]["chosen"]
+        assert [j.base_name for j in client4.status(all=True).jobs] == ["auto-base"]  # the copies are closed
+        assert base.evaluate(x, y) == pytest.approx(loss_fn(model(x), y).item(), rel=1e-5)
+    finally:
+        base.close()
+    copy = calibration_configs(JobConfig(stages=2, microbatches=4, schedule="auto", base_name="b"))[0]
+    assert copy.base_name == ""
+
+
 def test_layouts_are_checked_and_each_is_calibrated():
     from atoll.client.calibrate import calibration_configs
 

@@ -87,6 +87,7 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
                     layout,
                     schedule=schedule,
                     name=f"{config.name} calibration ({label})",
+                    base_name="",  # a copy of a resident base is not one: the name is the base's
                     detached=False,
                     auto_resume=False,
                     checkpoint_path="",
