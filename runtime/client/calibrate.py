@@ -19,7 +19,8 @@ in turn together, and the job runs in the layout whose fastest copy stepped fast
 (``calibrated``). The layout is chosen here, on what the copies measured, because the program is
 exported at one microbatch's shape: the compiler then chooses among the schedules of that layout by
 simulating them at its copies' costs, which for a calibrated candidate gives back the step its
-copy measured (its simulation plus the overheads measured beyond it).
+copy measured (its simulation plus the overheads measured beyond it; the simulation alone where
+that is longer).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Measured:
     """``costs_of``: each action's seconds and the step's overheads beyond its simulation."""
     step_s: float
     """Its median step back to back, or waited for where that was shorter: the step the compiler
-    predicts for it at ``costs`` (autoschedule.Candidate.predicted_step_s)."""
+    predicts for it at ``costs`` (autoschedule.Candidate.predicted_step_s), unless the simulation
+    of its actions alone is longer than what was measured."""
 
 
 def calibration_configs(config: JobConfig) -> list[JobConfig]:
