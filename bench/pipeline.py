@@ -603,11 +603,11 @@ def significant(seconds: float) -> float:
 
 
 def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
-    """atoll's schedule="auto" (one chunk per worker): what it chose, its predicted step time
-    against the measured one, and every candidate measured beside it: all loaded at once and
-    run in turn, a round of each per round (in an order rotating round by round, ``rotated``), so
-    that the machine's drift (tens of percent over minutes on a busy 2-core machine) falls on all
-    alike; the rows above were measured minutes
+    """atoll's schedule="auto" (one chunk per worker, and the layouts ``--auto-*`` allow): what it
+    chose, its predicted step time against the measured one, and every candidate measured beside
+    it: all loaded at once and run in turn, a round of each per round (in an order rotating round
+    by round, ``rotated``), so that the machine's drift (tens of percent over minutes on a busy
+    2-core machine) falls on all alike; the rows above were measured minutes
     apart and are listed as they were. Each candidate runs its rounds two ways: one step at a
     time, each waited for, as the calibration ran them, against the prediction of a step on its
     own (its simulated makespan plus the overhead the calibration measured: like against like),
@@ -636,15 +636,10 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     def named(schedule: str, microbatches: int, chunks: int) -> str:
         return f"{schedule}@{microbatches}x{chunks}" if several else schedule
 
-    chosen = named(choice["chosen"], report["microbatches"], report["virtual_stages"])
-    predicted = {
-        named(c["schedule"], report["microbatches"], report["virtual_stages"]): c["predicted_step_s"]
-        for c in choice["candidates"]
-    }
-    lone = {
-        named(c["schedule"], report["microbatches"], report["virtual_stages"]): c["predicted_lone_step_s"]
-        for c in choice["candidates"]
-    }
+    layout = (report["microbatches"], report["virtual_stages"])  # the one it chose
+    chosen = named(choice["chosen"], *layout)
+    predicted = {named(c["schedule"], *layout): c["predicted_step_s"] for c in choice["candidates"]}
+    lone = {named(c["schedule"], *layout): c["predicted_lone_step_s"] for c in choice["candidates"]}
     sides = {"auto": atoll}
     try:
         for c in calibrated:  # every candidate in every layout, as the calibration measured them
@@ -762,6 +757,10 @@ def best_by(rows: list[dict], torch_key: str, atoll_key: str, label: str) -> dic
     return best
 
 
+def comma_separated_ints(text: str) -> list[int]:
+    return [int(c) for c in text.split(",") if c]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zb_h2,zbv,dualpipev,auto")
@@ -771,13 +770,13 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument(
         "--auto-microbatches",
-        type=lambda text: [int(c) for c in text.split(",") if c],
+        type=comma_separated_ints,
         default=[],
         help='other microbatch counts schedule="auto" may choose (comma-separated); its candidates run at each',
     )
     parser.add_argument(
         "--auto-virtual-stages",
-        type=lambda text: [int(c) for c in text.split(",") if c],
+        type=comma_separated_ints,
         default=[],
         help='other chunks per worker schedule="auto" may choose (comma-separated; its stages then cut by cost)',
     )
