@@ -92,7 +92,7 @@ from stage_limit import WINDOW_S, RankCosts  # noqa: E402
 
 import atoll  # noqa: E402
 from atoll.client.calibrate import calibration_configs  # noqa: E402
-from atoll.core.config import JobConfig  # noqa: E402
+from atoll.core.config import JobConfig, layout_name  # noqa: E402
 from atoll.core.names import V_SCHEDULES  # noqa: E402
 from atoll.core.spans import WAIT  # noqa: E402
 from examples.gpt import CharCorpus, GPTConfig, build_gpt, lm_loss  # noqa: E402
@@ -631,10 +631,10 @@ def auto_row(client, model, batches, args, rows: list[dict]) -> dict:
     calibrated = calibration_configs(
         JobConfig(stages=args.ranks, microbatches=args.microbatches, schedule="auto", **layouts)
     )
-    several = len({(c.microbatches, c.virtual_stages) for c in calibrated}) > 1
+    several = bool(choice["layout_steps"])  # set where more than one layout was calibrated
 
     def named(schedule: str, microbatches: int, chunks: int) -> str:
-        return f"{schedule}@{microbatches}x{chunks}" if several else schedule
+        return f"{schedule}@{layout_name(microbatches, chunks)}" if several else schedule
 
     layout = (report["microbatches"], report["virtual_stages"])  # the one it chose
     chosen = named(choice["chosen"], *layout)

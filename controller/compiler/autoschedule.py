@@ -23,7 +23,7 @@ from atoll.controller.compiler.schedules import build_schedule
 from atoll.controller.compiler.simulate import steady_step
 from atoll.controller.compiler.topology import Topology
 from atoll.core.actions import Action, Kind
-from atoll.core.config import JobConfig
+from atoll.core.config import JobConfig, layout_of
 from atoll.core.dataflow import Dataflow, Routes
 from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_BACK_TO_BACK_OVERHEAD_COST, STEP_OVERHEAD_COST
 from atoll.errors import InvalidInput
@@ -135,8 +135,7 @@ def choose(topo: Topology, cfg: JobConfig, dataflow: Dataflow, flops: list[int])
             f"({runner.predicted_step_s:.4g}{unit})"
         )
     if cfg.layout_steps:
-        # "MxV" sorted as numbers (the wire sorts them as text)
-        measured = sorted(cfg.layout_steps.items(), key=lambda item: tuple(map(int, item[0].split("x"))))
+        measured = sorted(cfg.layout_steps.items(), key=lambda item: layout_of(item[0]))  # the wire sorts them as text
         steps = ", ".join(f"{s:.4g}s at {layout}" for layout, s in measured)
         why += (
             f"; {cfg.microbatches} microbatches x {cfg.virtual_stages} chunk(s) per worker: "

@@ -30,7 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from atoll.core.config import JobConfig
+from atoll.core.config import JobConfig, layout_name
 from atoll.core.names import SCHEDULE_COST_SEPARATOR, STEP_BACK_TO_BACK_OVERHEAD_COST, STEP_OVERHEAD_COST
 
 CALIBRATION_STEPS = 10
@@ -97,11 +97,6 @@ def calibration_configs(config: JobConfig) -> list[JobConfig]:
                 )
             )
     return copies
-
-
-def layout_name(microbatches: int, chunks: int) -> str:
-    """A layout as ``JobConfig.layout_steps`` names it: "8x2", 8 microbatches, 2 chunks per worker."""
-    return f"{microbatches}x{chunks}"
 
 
 def costs_of(summary: dict, wall_s: float, back_to_back_s: float | None = None) -> dict[str, float]:

@@ -124,7 +124,7 @@ class JobConfig:
     (``layouts``; the stages are then cut by cost: no ``split_at``)."""
     layout_steps: dict = field(default_factory=dict)
     """Set by ``Client.pipeline``'s calibration where ``auto_microbatches`` or
-    ``auto_virtual_stages`` were given: the step in seconds of each layout ("MxV": M microbatches,
+    ``auto_virtual_stages`` were given: the step in seconds of each layout (``layout_name``, "MxV": M microbatches,
     V chunks per worker) as its fastest calibration copy measured it; the shortest chose
     ``microbatches`` and ``virtual_stages``. The plan's ``schedule_choice`` lists them."""
 
@@ -199,6 +199,17 @@ class JobConfig:
             if value:
                 values[f.name] = value
         return JobConfig(**values)
+
+
+def layout_name(microbatches: int, chunks: int) -> str:
+    """A layout as ``JobConfig.layout_steps`` names it: "8x2", 8 microbatches, 2 chunks per worker."""
+    return f"{microbatches}x{chunks}"
+
+
+def layout_of(name: str) -> tuple[int, int]:
+    """(microbatches, chunks per worker) of a ``layout_name``."""
+    microbatches, chunks = name.split("x")
+    return int(microbatches), int(chunks)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
